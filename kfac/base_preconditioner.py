@@ -1,0 +1,442 @@
+"""The K-FAC engine: hooks, the step's phases, state and introspection.
+
+:class:`BaseKFACPreconditioner` combines the three separate parts of the
+library: the per-layer mathematics (:mod:`kfac.layers`), the placement of
+work (:class:`kfac.assignment.WorkAssignment`) and communication
+(:mod:`kfac.distributed`). :class:`kfac.preconditioner.KFACPreconditioner`
+builds all three from a model and keyword arguments.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from collections.abc import Callable
+from collections.abc import Iterable
+from collections.abc import Mapping
+from typing import Any
+from typing import Protocol
+
+import torch
+from torch import nn
+from torch.utils.hooks import RemovableHandle
+
+from kfac.assignment import WorkAssignment
+from kfac.distributed import Handle
+from kfac.distributed import TorchDistributedCommunicator
+from kfac.distributed import get_rank
+from kfac.hyperparams import Hyperparameters
+from kfac.hyperparams import Resolved
+from kfac.hyperparams import validate_int
+from kfac.layers.base import FACTOR_NAMES
+from kfac.layers.base import KFACBaseLayer
+from kfac.layers.factor import KroneckerFactor
+from kfac.math import kl_clip_scale
+from kfac.state import load_preconditioner_state
+from kfac.state import preconditioner_state
+
+logger = logging.getLogger(__name__)
+
+
+class _Scaler(Protocol):
+    def get_scale(self) -> float: ...
+
+
+#: A ``torch.amp.GradScaler`` (or the deprecated CUDA one), or a callable
+#: returning the current loss scale.
+GradScalerLike = _Scaler | Callable[[], float]
+
+
+class BaseKFACPreconditioner:
+    """Minimal K-FAC engine over registered layers.
+
+    Args:
+        layers: ``{module name: layer}``; the hooks are registered on each
+            layer's module.
+        assignment: where each decomposition and preconditioning happens.
+        hyperparameters: the schedulable hyperparameters.
+        accumulation_steps: micro-batches (forward/backward passes) per
+            :meth:`step`. Divide each micro-batch's mean loss by this number,
+            as for ordinary gradient accumulation.
+        update_factors_in_hook: compute factor statistics inside the hooks
+            (and start their allreduce after the last micro-batch) instead
+            of keeping activations until :meth:`step`.
+        grad_scaler: the loss scaler of mixed-precision training, whose
+            scale is divided out of output gradients.
+        communicator: collectives; default a bucketed
+            :class:`~kfac.distributed.TorchDistributedCommunicator`.
+        bucketed: allreduce factors in buckets.
+        loglevel: level of the preconditioner's informational messages.
+
+    """
+
+    def __init__(
+        self,
+        layers: Mapping[str, KFACBaseLayer],
+        *,
+        assignment: WorkAssignment,
+        hyperparameters: Hyperparameters | None = None,
+        accumulation_steps: int = 1,
+        update_factors_in_hook: bool = True,
+        grad_scaler: GradScalerLike | None = None,
+        communicator: TorchDistributedCommunicator | None = None,
+        bucketed: bool = True,
+        loglevel: int = logging.DEBUG,
+    ) -> None:
+        if not layers:
+            raise ValueError('layers must contain at least one layer')
+        self.hyperparameters = hyperparameters or Hyperparameters()
+        self.accumulation_steps = validate_int(
+            'accumulation_steps',
+            accumulation_steps,
+        )
+        if not isinstance(update_factors_in_hook, bool):
+            raise TypeError(
+                'update_factors_in_hook must be a bool; got '
+                f'{update_factors_in_hook!r}',
+            )
+        if not (grad_scaler is None or callable(grad_scaler)) and not hasattr(
+            grad_scaler,
+            'get_scale',
+        ):
+            raise TypeError(
+                'grad_scaler must be None, a GradScaler or a callable '
+                f'returning the loss scale; got {grad_scaler!r}',
+            )
+        self._layers = dict(layers)
+        self.assignment = assignment
+        self.update_factors_in_hook = update_factors_in_hook
+        self.grad_scaler = grad_scaler
+        self.communicator = communicator or TorchDistributedCommunicator()
+        self.bucketed = bucketed
+        self.loglevel = loglevel
+        self._steps = 0
+        self._resolved: tuple[int, Resolved] | None = None
+        self._loss_scale: tuple[int, float] | None = None
+        self._finished: set[str] = set()
+        self._reductions: list[tuple[KroneckerFactor, Handle]] = []
+        self._decomposed: set[str] = set()
+        self._logged: set[tuple[str, str]] = set()
+        self._removed = False
+        self._hooks: list[RemovableHandle] = [
+            layer.module.module.register_forward_hook(
+                functools.partial(self._forward_hook, name),
+            )
+            for name, layer in self._layers.items()
+        ]
+
+    def __repr__(self) -> str:
+        return (
+            f'{type(self).__name__}(layers={len(self._layers)}, '
+            f'steps={self._steps}, {self.hyperparameters})'
+        )
+
+    # Read-only views --------------------------------------------------------
+
+    @property
+    def steps(self) -> int:
+        """Number of completed :meth:`step` calls."""
+        return self._steps
+
+    @property
+    def layers(self) -> Mapping[str, KFACBaseLayer]:
+        """The registered layers by module name."""
+        return self._layers
+
+    def _hp(self) -> Resolved:
+        """Hyperparameter values at the current step (cached per step)."""
+        if self._resolved is None or self._resolved[0] != self._steps:
+            self._resolved = (
+                self._steps,
+                self.hyperparameters.at(self._steps),
+            )
+        return self._resolved[1]
+
+    @property
+    def factor_update_steps(self) -> int:
+        """Current steps between factor updates."""
+        return self._hp().factor_update_steps
+
+    @property
+    def inv_update_steps(self) -> int:
+        """Current steps between decompositions."""
+        return self._hp().inv_update_steps
+
+    @property
+    def damping(self) -> float:
+        """Current damping ``λ``."""
+        return self._hp().damping
+
+    @property
+    def factor_decay(self) -> float:
+        """Current running-average decay ``ξ``."""
+        return self._hp().factor_decay
+
+    @property
+    def kl_clip(self) -> float | None:
+        """Current KL clip ``κ`` (None: disabled)."""
+        return self._hp().kl_clip
+
+    @property
+    def lr(self) -> float:
+        """Current learning rate used by KL clipping."""
+        return self._hp().lr
+
+    def set_hyperparameters(self, **values: Any) -> None:
+        """Replace hyperparameters (validated), e.g. from a scheduler."""
+        self.hyperparameters = Hyperparameters(
+            **{**self.hyperparameters.__dict__, **values},
+        )
+        self._resolved = None
+
+    # Hooks --------------------------------------------------------------
+
+    def _log_once(self, key: str, name: str, msg: str, *args: object) -> None:
+        if (key, name) not in self._logged:
+            self._logged.add((key, name))
+            logger.warning(msg, *args)
+
+    def _capturing(self, module: nn.Module) -> bool:
+        return (
+            module.training
+            and torch.is_grad_enabled()
+            and self._steps % self._hp().factor_update_steps == 0
+        )
+
+    def _forward_hook(
+        self,
+        name: str,
+        module: nn.Module,
+        inputs: tuple[Any, ...],
+        output: Any,
+    ) -> None:
+        if not self._capturing(module):
+            return
+        layer = self._layers[name]
+        layer.save_layer_input(inputs[0], now=self.update_factors_in_hook)
+        if isinstance(output, torch.Tensor) and output.requires_grad:
+            output.register_hook(functools.partial(self._grad_hook, name))
+
+    def _grad_hook(self, name: str, grad: torch.Tensor) -> None:
+        layer = self._layers[name]
+        layer.save_layer_grad_output(
+            grad,
+            loss_scale=self._current_loss_scale(),
+            accumulation_steps=self.accumulation_steps,
+            now=self.update_factors_in_hook,
+        )
+        done = layer.g.captures == self.accumulation_steps
+        if self.update_factors_in_hook and done and name not in self._finished:
+            self._finish_factors(name, layer)
+
+    def _current_loss_scale(self) -> float:
+        """The loss scale of this step, read once per step."""
+        if self.grad_scaler is None:
+            return 1.0
+        if self._loss_scale is None or self._loss_scale[0] != self._steps:
+            scaler = self.grad_scaler
+            getter = getattr(scaler, 'get_scale', None)
+            value = getter() if getter is not None else scaler()  # type: ignore[operator]  # callable checked in __init__
+            self._loss_scale = (self._steps, float(value))
+        return self._loss_scale[1]
+
+    # The step --------------------------------------------------------------
+
+    def step(self) -> None:
+        """Precondition the gradients of the registered layers.
+
+        Call after ``loss.backward()`` (after the last micro-batch when
+        accumulating) and before ``optimizer.step()``. Every rank must call
+        it.
+        """
+        if self._removed:
+            raise RuntimeError('this preconditioner was removed')
+        hp = self._hp()
+        if self._steps % hp.factor_update_steps == 0:
+            self._update_factors()
+        if self._steps % hp.inv_update_steps == 0:
+            self._update_decompositions(hp.damping)
+        self._precondition(hp.damping)
+        self._apply(hp)
+        self._steps += 1
+
+    def _finish_factors(self, name: str, layer: KFACBaseLayer) -> None:
+        """Running-average update of one layer; start its allreduce."""
+        self._finished.add(name)
+        if not layer.update_factors(self._hp().factor_decay):
+            self._log_once(
+                'no-data',
+                name,
+                'K-FAC: module %s did not run forward and backward in step '
+                '%d; its factors were not updated and its gradient is left '
+                'as it is until they exist',
+                name,
+                self._steps,
+            )
+            return
+        self._reductions.extend(
+            layer.reduce_factors(
+                self.communicator,
+                None,
+                bucketed=self.bucketed,
+            ),
+        )
+
+    def _update_factors(self) -> None:
+        for name, layer in self._layers.items():
+            if name not in self._finished:
+                self._finish_factors(name, layer)
+            elif layer.g.captures or layer.a.captures:
+                self._log_once(
+                    'reuse',
+                    name,
+                    'K-FAC: module %s ran more than accumulation_steps times '
+                    'in a step; the extra passes are ignored (use '
+                    'update_factors_in_hook=False for shared modules)',
+                    name,
+                )
+                layer.reset_batch()
+        self.communicator.flush()
+        for factor, handle in self._reductions:
+            factor.value = handle.wait()
+        self._reductions.clear()
+        self._finished.clear()
+
+    def _update_decompositions(
+        self,
+        damping: float,
+        names: Iterable[str] | None = None,
+    ) -> None:
+        """Decompose factors on their inverse workers; broadcast them.
+
+        Every rank calls this for the same ``names`` (default: all layers).
+        """
+        rank = get_rank()
+        plan = self.assignment
+        ready = [
+            name
+            for name in (self._layers if names is None else names)
+            if self._layers[name].has_factors
+        ]
+        for name in ready:
+            for f in FACTOR_NAMES:
+                if plan.inv_worker(name, f) == rank:
+                    self._layers[name].compute_decomposition(f, damping)
+        self._decomposed.update(ready)
+        if not plan.broadcast_inverses():
+            return
+        pending = []
+        for name in ready:
+            if not plan.is_grad_worker(name):
+                continue
+            layer = self._layers[name]
+            for f in FACTOR_NAMES:
+                parts = layer.broadcast_decomposition(
+                    f,
+                    self.communicator,
+                    src=plan.inv_worker(name, f),
+                    group=plan.factor_group(name, f),
+                )
+                pending += [(layer, f, i, h) for i, h in parts]
+        for layer, f, i, handle in pending:
+            layer.set_decomposition_part(f, i, handle.wait())
+
+    def _precondition(self, damping: float) -> None:
+        plan = self.assignment
+        active = [
+            name
+            for name, layer in self._layers.items()
+            if name in self._decomposed
+            and layer.module.weight.grad is not None
+        ]
+        for name in active:
+            if plan.is_grad_worker(name):
+                self._layers[name].precondition_grad(damping)
+        if not plan.broadcast_gradients():
+            return
+        handles = [
+            (
+                self._layers[name],
+                self._layers[name].broadcast_grad(
+                    self.communicator,
+                    src=plan.src_grad_worker(name),
+                    group=plan.grad_receiver_group(name),
+                ),
+            )
+            for name in active
+        ]
+        for layer, handle in handles:
+            layer.grad = handle.wait()
+
+    def _apply(self, hp: Resolved) -> None:
+        """KL-clip the preconditioned gradients and write them back."""
+        layers = [
+            (name, layer)
+            for name, layer in self._layers.items()
+            if layer.grad is not None
+        ]
+        done = {name for name, _ in layers}
+        for name in (n for n in self._layers if n not in done):
+            self._log_once(
+                'unpreconditioned',
+                name,
+                'K-FAC: the gradient of module %s is not preconditioned '
+                '(no gradient, or no factors yet)',
+                name,
+            )
+        scale = None
+        if hp.kl_clip is not None and layers:
+            vg = [
+                (layer.grad * layer.module.get_grad()).sum()  # type: ignore[operator]  # grads exist here
+                for _, layer in layers
+            ]
+            scale = kl_clip_scale(torch.stack(vg).sum(), hp.lr, hp.kl_clip)
+        for _, layer in layers:
+            layer.write_grad(scale)
+
+    # Housekeeping ----------------------------------------------------------
+
+    def reset_batch(self) -> None:
+        """Drop the statistics captured since the last factor update."""
+        for layer in self._layers.values():
+            layer.reset_batch()
+        self._finished.clear()
+
+    def remove(self) -> None:
+        """Remove every hook and drop captured data; :meth:`step` then
+        raises.
+        """
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks = []
+        self._removed = True
+        self.reset_batch()
+
+    def memory_usage(self) -> dict[str, int]:
+        """Bytes held by K-FAC on this rank, by kind, and ``'total'``.
+
+        Kinds: ``a_factors``, ``g_factors``, ``a_batch``, ``g_batch``
+        (captured statistics or activations not yet folded in),
+        ``a_inverses``, ``g_inverses`` (decompositions held here) and
+        ``grad``.
+        """
+        usage: dict[str, int] = {}
+        for layer in self._layers.values():
+            for key, value in layer.memory_usage().items():
+                usage[key] = usage.get(key, 0) + value
+        usage['total'] = sum(usage.values())
+        return usage
+
+    def state_dict(
+        self, include_decompositions: bool = True
+    ) -> dict[str, Any]:
+        """The preconditioner's state (see :mod:`kfac.state`)."""
+        return preconditioner_state(self, include_decompositions)
+
+    def load_state_dict(
+        self,
+        state_dict: Mapping[str, Any],
+        strict: bool = True,
+    ) -> None:
+        """Load :meth:`state_dict` output (see :mod:`kfac.state`)."""
+        load_preconditioner_state(self, state_dict, strict=strict)

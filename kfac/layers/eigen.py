@@ -1,0 +1,93 @@
+"""K-FAC with exact damping through eigendecompositions of the factors."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from kfac.layers.base import KFACBaseLayer
+from kfac.layers.modules import ModuleHelper
+from kfac.math import eigen_precondition
+from kfac.math import eigenvalue_outer_product
+from kfac.math import symmetric_eigh
+
+
+class KFACEigenLayer(KFACBaseLayer):
+    """Precondition with ``(A ⊗ G + λ I)⁻¹`` via ``A = Q_A D_A Q_Aᵀ``, ...
+
+    Args:
+        module: helper of the module.
+        prediv_eigenvalues: precompute ``1 / (d_G d_Aᵀ + λ)`` on the inverse
+            worker when ``G`` is decomposed (``compute_eigenvalue_outer_
+            product``), so gradient workers receive one ``(out, in[+1])``
+            matrix instead of both eigenvalue vectors and skip that work each
+            step. The damping is then the one in force at the last
+            decomposition. Needs both factors decomposed on the same rank,
+            ``A`` first.
+        **kwargs: see :class:`KFACBaseLayer`.
+
+    """
+
+    def __init__(
+        self,
+        module: ModuleHelper,
+        *,
+        prediv_eigenvalues: bool = False,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(module, **kwargs)
+        self.prediv_eigenvalues = prediv_eigenvalues
+        self._da: torch.Tensor | None = None
+
+    def compute_decomposition(self, name: str, damping: float) -> None:
+        """Eigendecompose factor ``name`` (inverse worker only)."""
+        factor = self.factor(name)
+        if factor.value is None:
+            raise RuntimeError(f'factor {name} of {self} has no value yet')
+        q, d = symmetric_eigh(factor.value, self.decomposition_dtype)
+        q, d = q.to(self.inv_dtype), d.to(self.inv_dtype)
+        if not self.prediv_eigenvalues:
+            factor.decomposition = (q, d)
+        elif name == 'A':
+            self._da = d
+            factor.decomposition = (q,)
+        else:
+            if self._da is None:
+                raise RuntimeError(
+                    f'{self}: with compute_eigenvalue_outer_product the A '
+                    'factor must be decomposed on the same rank before G',
+                )
+            outer = eigenvalue_outer_product(d, self._da, damping)
+            factor.decomposition = (q, outer)
+
+    @property
+    def decomposition_format(self) -> str:
+        """``'eigen'``, or ``'eigen_outer'`` with ``prediv_eigenvalues``."""
+        return 'eigen_outer' if self.prediv_eigenvalues else 'eigen'
+
+    def decomposition_layout(
+        self,
+        name: str,
+    ) -> tuple[tuple[tuple[int, ...], bool], ...]:
+        """``Q`` then ``d`` (or ``Q_A`` / ``Q_G``, ``1/(d_G d_Aᵀ + λ)``)."""
+        n = self.factor(name).dim
+        q = ((n, n), False)
+        if not self.prediv_eigenvalues:
+            return (q, ((n,), False))
+        if name == 'A':
+            return (q,)
+        return (q, (self.module.grad_shape, False))
+
+    def _precondition(
+        self, grad: torch.Tensor, damping: float
+    ) -> torch.Tensor:
+        a, g = self.a.decomposition, self.g.decomposition
+        assert (
+            a is not None and g is not None
+        )  # the caller checks has_decomposition
+        if self.prediv_eigenvalues:
+            scale = g[1]
+        else:
+            scale = eigenvalue_outer_product(g[1], a[1], damping)
+        return eigen_precondition(grad, a[0], g[0], scale)

@@ -1,0 +1,122 @@
+"""One Kronecker factor (``A`` or ``G``) of a layer.
+
+The logic shared by both factors lives here once: capturing hook data,
+accumulating a batch as a sum and a count, folding the batch into the
+running average, and holding the factor's decomposition.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from kfac.math import running_average
+
+#: Computes ``(sum of outer products, count)`` from captured hook data and a
+#: multiplier.
+Statistic = Callable[[torch.Tensor, float], tuple[torch.Tensor, int]]
+
+
+class KroneckerFactor:
+    """Batch accumulator, running average and decomposition of one factor.
+
+    Args:
+        name: ``'A'`` or ``'G'``.
+        dim: the factor is ``(dim, dim)``.
+        statistic: turns one captured tensor into ``(Σ x xᵀ, count)``.
+        dtype: dtype of the running average.
+
+    """
+
+    def __init__(
+        self,
+        name: str,
+        dim: int,
+        statistic: Statistic,
+        dtype: torch.dtype,
+    ) -> None:
+        self.name = name
+        self.dim = dim
+        self.dtype = dtype
+        self._statistic = statistic
+        #: Running average, ``(dim, dim)``; None before the first update.
+        self.value: torch.Tensor | None = None
+        #: Tensors a gradient worker needs to apply this factor's inverse.
+        self.decomposition: tuple[torch.Tensor, ...] | None = None
+        self._sum: torch.Tensor | None = None
+        self._count = 0
+        self._pending: list[tuple[torch.Tensor, float]] = []
+        #: Number of captures since the last reset.
+        self.captures = 0
+
+    def capture(
+        self,
+        data: torch.Tensor,
+        multiplier: float,
+        *,
+        now: bool,
+    ) -> None:
+        """Record one micro-batch of hook data.
+
+        Args:
+            data: the module input (``A``) or output gradient (``G``).
+            multiplier: scale applied to the statistic's rows.
+            now: compute the statistic immediately (frees ``data``) rather
+                than keep ``data`` until :meth:`update`.
+
+        """
+        self.captures += 1
+        if now:
+            self._accumulate(data, multiplier)
+        else:
+            self._pending.append((data.detach(), multiplier))
+
+    def _accumulate(self, data: torch.Tensor, multiplier: float) -> None:
+        total, count = self._statistic(data, multiplier)
+        self._sum = total if self._sum is None else self._sum.add_(total)
+        self._count += count
+
+    def batch(self) -> torch.Tensor | None:
+        """The accumulated batch factor ``Σ x xᵀ / count``, or None."""
+        for data, multiplier in self._pending:
+            self._accumulate(data, multiplier)
+        self._pending.clear()
+        if self._sum is None:
+            return None
+        return self._sum / self._count
+
+    def update(self, decay: float) -> bool:
+        """Fold the batch into the running average and reset the batch.
+
+        Returns:
+            Whether there was a batch to fold in.
+
+        """
+        batch = self.batch()
+        self.reset_batch()
+        if batch is None:
+            return False
+        self.value = running_average(self.value, batch.to(self.dtype), decay)
+        return True
+
+    def reset_batch(self) -> None:
+        """Drop the batch accumulated so far."""
+        self._sum = None
+        self._count = 0
+        self._pending.clear()
+        self.captures = 0
+
+    def memory_usage(self) -> dict[str, int]:
+        """Bytes held: ``factor``, ``batch`` and ``decomposition``."""
+        batch = sum(_nbytes(t) for t, _ in self._pending) + _nbytes(self._sum)
+        decomposition = sum(_nbytes(t) for t in self.decomposition or ())
+        return {
+            'factor': _nbytes(self.value),
+            'batch': batch,
+            'decomposition': decomposition,
+        }
+
+
+def _nbytes(tensor: torch.Tensor | None) -> int:
+    return 0 if tensor is None else tensor.numel() * tensor.element_size()

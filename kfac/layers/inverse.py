@@ -1,0 +1,55 @@
+"""K-FAC with factored Tikhonov damping through explicit inverses."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from kfac.layers.base import KFACBaseLayer
+from kfac.math import damped_inverse
+from kfac.math import inverse_precondition
+from kfac.math import pi_correction
+
+
+class KFACInverseLayer(KFACBaseLayer):
+    """Precondition with ``(G + (√λ/π) I)⁻¹ V (A + π √λ I)⁻¹``.
+
+    ``π`` (:func:`kfac.math.pi_correction`) needs the traces of both running
+    factors, which every rank holds after the factor allreduce, so each
+    factor's inverse can be computed on a different rank.
+    """
+
+    def compute_decomposition(self, name: str, damping: float) -> None:
+        """Invert damped factor ``name`` (inverse worker only)."""
+        a, g = self.a.value, self.g.value
+        if a is None or g is None:
+            raise RuntimeError(f'{self} has no factors yet')
+        pi = pi_correction(a, g)
+        root = math.sqrt(damping)
+        factor = self.factor(name)
+        value, shift = (a, pi * root) if name == 'A' else (g, root / pi)
+        inv = damped_inverse(value, shift, self.decomposition_dtype)
+        factor.decomposition = (inv.to(self.inv_dtype),)
+
+    @property
+    def decomposition_format(self) -> str:
+        """``'inverse'``."""
+        return 'inverse'
+
+    def decomposition_layout(
+        self,
+        name: str,
+    ) -> tuple[tuple[tuple[int, ...], bool], ...]:
+        """One symmetric ``(n, n)`` inverse."""
+        n = self.factor(name).dim
+        return (((n, n), True),)
+
+    def _precondition(
+        self, grad: torch.Tensor, damping: float
+    ) -> torch.Tensor:
+        a, g = self.a.decomposition, self.g.decomposition
+        assert (
+            a is not None and g is not None
+        )  # the caller checks has_decomposition
+        return inverse_precondition(grad, a[0], g[0])

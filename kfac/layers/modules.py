@@ -1,0 +1,233 @@
+"""Uniform access to the torch modules K-FAC preconditions.
+
+A :class:`ModuleHelper` hides what differs between module types: the shapes
+of the Kronecker factors, the gradient as the ``(out, in[+1])`` matrix ``V``,
+and the rows from which ``A`` and ``G`` are formed (see :mod:`kfac.math` for
+the conventions).
+"""
+
+from __future__ import annotations
+
+import abc
+import math
+from typing import cast
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kfac.math import append_bias_ones
+from kfac.math import gram
+
+
+class ModuleHelper(abc.ABC):
+    """K-FAC's view of one module with a weight and an optional bias."""
+
+    module: nn.Module
+
+    def __init__(self, module: nn.Module) -> None:
+        self.module = module
+
+    def __repr__(self) -> str:
+        return f'{type(self).__name__}({self.module!r})'
+
+    @property
+    def weight(self) -> torch.Tensor:
+        """The module's weight parameter."""
+        return cast(torch.Tensor, self.module.weight)
+
+    @property
+    def bias(self) -> torch.Tensor | None:
+        """The bias if it exists and is trained, else None."""
+        bias = getattr(self.module, 'bias', None)
+        if isinstance(bias, torch.Tensor) and bias.requires_grad:
+            return bias
+        return None
+
+    @property
+    def has_bias(self) -> bool:
+        """Whether ``A`` includes the constant-1 input of a trained bias."""
+        return self.bias is not None
+
+    @property
+    def a_factor_shape(self) -> tuple[int, int]:
+        """Shape of ``A``: ``(in[+1], in[+1])``."""
+        n = self.in_features + int(self.has_bias)
+        return (n, n)
+
+    @property
+    def g_factor_shape(self) -> tuple[int, int]:
+        """Shape of ``G``: ``(out, out)``."""
+        out = self.weight.shape[0]
+        return (out, out)
+
+    @property
+    def grad_shape(self) -> tuple[int, int]:
+        """Shape of the gradient matrix ``V``: ``(out, in[+1])``."""
+        return (self.g_factor_shape[0], self.a_factor_shape[0])
+
+    @property
+    def in_features(self) -> int:
+        """Number of inputs each output sees (``in``)."""
+        return math.prod(self.weight.shape[1:])
+
+    def get_grad(self) -> torch.Tensor | None:
+        """Return ``V = [∇W, ∇b]`` of shape ``(out, in[+1])``.
+
+        None when the weight has no gradient in this step.
+        """
+        wgrad = self.weight.grad
+        if wgrad is None:
+            return None
+        v = wgrad.reshape(wgrad.shape[0], -1)
+        bias = self.bias
+        if bias is not None:
+            bgrad = bias.grad
+            if bgrad is None:
+                bgrad = torch.zeros_like(bias)
+            v = torch.cat([v, bgrad.reshape(-1, 1)], dim=1)
+        return v
+
+    def set_grad(self, grad: torch.Tensor) -> None:
+        """Write ``V`` (shape ``(out, in[+1])``) back into ``.grad``."""
+        weight = self.weight
+        bias = self.bias
+        wpart = grad[:, : self.in_features] if bias is not None else grad
+        wpart = wpart.reshape(weight.shape).to(weight.dtype)
+        if weight.grad is None:
+            weight.grad = wpart.clone()
+        else:
+            weight.grad.copy_(wpart)
+        if bias is not None:
+            bpart = grad[:, -1].reshape(bias.shape).to(bias.dtype)
+            if bias.grad is None:
+                bias.grad = bpart.clone()
+            else:
+                bias.grad.copy_(bpart)
+
+    def a_statistic(
+        self,
+        layer_input: torch.Tensor,
+        dtype: torch.dtype,
+    ) -> tuple[torch.Tensor, int]:
+        """Return ``(Σ ã ãᵀ, number of rows)`` of one batch's inputs.
+
+        Args:
+            layer_input: the module's input as seen by its forward hook.
+            dtype: dtype of the sum (at least float32).
+
+        """
+        rows = self.a_rows(layer_input.detach())
+        if self.has_bias:
+            rows = append_bias_ones(rows)
+        return gram(rows, dtype), rows.shape[0]
+
+    def g_statistic(
+        self,
+        grad_output: torch.Tensor,
+        dtype: torch.dtype,
+        scale: float,
+        per_example: bool,
+    ) -> tuple[torch.Tensor, int]:
+        """Return ``(Σ g gᵀ, number of examples)`` of one batch.
+
+        Args:
+            grad_output: gradient of the loss with respect to the output.
+            dtype: dtype of the sum (at least float32).
+            scale: multiplier turning ``grad_output`` into ``g``, before the
+                batch-size factor.
+            per_example: multiply by the number of examples ``N`` as well
+                (``'mean'`` loss reduction).
+
+        """
+        n = self.batch_size(grad_output)
+        if per_example:
+            scale = scale * n
+        rows = self.g_rows(grad_output.detach())
+        return gram(rows, dtype, scale), n
+
+    @abc.abstractmethod
+    def a_rows(self, layer_input: torch.Tensor) -> torch.Tensor:
+        """Input vectors as rows ``(R, in)``, one per example and position."""
+
+    @abc.abstractmethod
+    def g_rows(self, grad_output: torch.Tensor) -> torch.Tensor:
+        """Output gradients as rows ``(R, out)``, matching :meth:`a_rows`."""
+
+    @abc.abstractmethod
+    def batch_size(self, tensor: torch.Tensor) -> int:
+        """Number of examples ``N`` in an input or output-gradient tensor."""
+
+
+class LinearModuleHelper(ModuleHelper):
+    """Helper for :class:`torch.nn.Linear` on inputs of any rank.
+
+    An input of shape ``(N, *positions, in)`` has ``N`` examples and
+    ``prod(positions)`` weight-sharing positions each; a 1-D input is one
+    example.
+    """
+
+    def a_rows(self, layer_input: torch.Tensor) -> torch.Tensor:  # noqa: D102
+        return layer_input.reshape(-1, layer_input.shape[-1])
+
+    def g_rows(self, grad_output: torch.Tensor) -> torch.Tensor:  # noqa: D102
+        return grad_output.reshape(-1, grad_output.shape[-1])
+
+    def batch_size(self, tensor: torch.Tensor) -> int:  # noqa: D102
+        return tensor.shape[0] if tensor.dim() > 1 else 1
+
+
+class Conv2dModuleHelper(ModuleHelper):
+    """Helper for :class:`torch.nn.Conv2d` with ``groups == 1``.
+
+    Inputs unfold into patches (respecting ``stride``, ``padding`` including
+    ``'same'``/``'valid'``, ``dilation`` and ``padding_mode``), so the layer
+    is a Linear over ``C·kh·kw`` inputs shared across the ``H'·W'`` output
+    positions.
+    """
+
+    module: nn.Conv2d
+
+    def __init__(self, module: nn.Conv2d) -> None:
+        if module.groups != 1:
+            raise ValueError(
+                f'Conv2dModuleHelper supports groups=1 only; got '
+                f'groups={module.groups}',
+            )
+        super().__init__(module)
+
+    def _pad_amounts(self) -> tuple[int, int, int, int]:
+        """``F.pad`` amounts ``(left, right, top, bottom)``."""
+        m = self.module
+        pads: list[int] = []
+        for dim in (1, 0):  # F.pad lists the last dimension first.
+            if isinstance(m.padding, str):
+                same = m.padding == 'same'
+                total = m.dilation[dim] * (m.kernel_size[dim] - 1) * same
+                before, after = total // 2, total - total // 2
+            else:
+                before = after = m.padding[dim]
+            pads += [before, after]
+        return pads[0], pads[1], pads[2], pads[3]
+
+    def a_rows(self, layer_input: torch.Tensor) -> torch.Tensor:  # noqa: D102
+        m = self.module
+        x = layer_input if layer_input.dim() == 4 else layer_input[None]
+        pads = self._pad_amounts()
+        if any(pads):
+            mode = 'constant' if m.padding_mode == 'zeros' else m.padding_mode
+            x = F.pad(x, pads, mode=mode)
+        patches = F.unfold(
+            x,
+            kernel_size=m.kernel_size,
+            dilation=m.dilation,
+            stride=m.stride,
+        )  # (N, C*kh*kw, L)
+        return patches.transpose(1, 2).reshape(-1, patches.shape[1])
+
+    def g_rows(self, grad_output: torch.Tensor) -> torch.Tensor:  # noqa: D102
+        g = grad_output if grad_output.dim() == 4 else grad_output[None]
+        return g.permute(0, 2, 3, 1).reshape(-1, g.shape[1])
+
+    def batch_size(self, tensor: torch.Tensor) -> int:  # noqa: D102
+        return tensor.shape[0] if tensor.dim() == 4 else 1

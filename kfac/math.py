@@ -1,0 +1,250 @@
+r"""The tensor mathematics of K-FAC, written once.
+
+Pure functions on local tensors: nothing here communicates or knows about
+modules, hooks or ranks, and everything is tested in float64 against dense
+computations.
+
+Conventions
+-----------
+A supported layer computes ``s = W a + b`` with ``W`` of shape ``(out, in)``.
+When the layer has a (trainable) bias, ``a`` is extended with a constant 1
+(``ã``, length ``in + 1``) and the *gradient matrix* is
+``V = [∇W, ∇b]`` of shape ``(out, in + 1)``; without a bias ``V = ∇W``.
+
+``vec`` stacks columns, so for ``V`` of shape ``(out, in + 1)``
+``vec(V) = V.T.reshape(-1)`` in PyTorch terms, and the Kronecker identity
+``(A ⊗ G) vec(V) = vec(G V A)`` holds for symmetric ``A`` and ``G``.
+
+Statistics, for a loss ``L = (1/N) Σ_n ℓ_n`` over the ``N`` examples of the
+(global) batch (PyTorch's default ``'mean'`` reduction):
+
+* the per-example output gradient is ``g_n = ∂ℓ_n/∂s_n = N ∂L/∂s_n``; with
+  ``loss_reduction='sum'`` (``L = Σ_n ℓ_n``) it is ``g_n = ∂L/∂s_n``;
+* ``A = (1/N) Σ_n ã_n ã_nᵀ`` of shape ``(in + 1, in + 1)``;
+* ``G = (1/N) Σ_n g_n g_nᵀ`` of shape ``(out, out)``.
+
+For batch size 1 without weight sharing, ``A ⊗ G`` equals the layer's
+empirical Fisher block ``vec(∇ℓ) vec(∇ℓ)ᵀ`` exactly.
+
+Weight sharing (the ``T`` positions of a Linear applied to ``(N, T, in)``
+inputs, or the ``T`` spatial output positions of a convolution) follows the
+*expand* convention of Eschenhagen et al. (NeurIPS 2023):
+``A = (1/(N T)) Σ_{n,t} ã_{n,t} ã_{n,t}ᵀ`` and
+``G = (1/N) Σ_n Σ_t g_{n,t} g_{n,t}ᵀ``. Both are kept as a *sum* and a
+*count* (``N T`` rows for ``A``, ``N`` examples for ``G``) so that
+micro-batches and ranks combine exactly.
+
+Running average: ``F ← ξ F + (1 - ξ) F_batch`` with ``ξ = factor_decay``; the
+first update sets ``F = F_batch``.
+
+Damping ``λ``:
+
+* EIGEN applies ``(A ⊗ G + λ I)⁻¹`` exactly through the eigendecompositions
+  ``A = Q_A diag(d_A) Q_Aᵀ`` and ``G = Q_G diag(d_G) Q_Gᵀ``:
+  ``V' = Q_G [(Q_Gᵀ V Q_A) / (d_G d_Aᵀ + λ)] Q_Aᵀ``.
+* INVERSE uses factored Tikhonov damping (Martens & Grosse 2015, §6.3):
+  ``V' = (G + (√λ / π) I)⁻¹ V (A + π √λ I)⁻¹`` with
+  ``π = sqrt((tr A / dim A) / (tr G / dim G))``. ``λ`` is split between the
+  factors, so the same number damps less than with EIGEN.
+
+KL clipping scales every preconditioned gradient by
+``ν = min(1, sqrt(κ / |lr² Σ_layers Σ V' ⊙ V|))``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = [
+    'append_bias_ones',
+    'compute_dtype',
+    'damped_inverse',
+    'eigen_precondition',
+    'eigenvalue_outer_product',
+    'gram',
+    'inverse_precondition',
+    'kl_clip_scale',
+    'pi_correction',
+    'running_average',
+    'symmetric_eigh',
+]
+
+
+def compute_dtype(*dtypes: torch.dtype) -> torch.dtype:
+    """Return the widest of ``dtypes`` and float32.
+
+    Statistics and decompositions are never computed in a half-precision type:
+    bfloat16 or float16 second moments break eigenvectors.
+
+    >>> compute_dtype(torch.bfloat16)
+    torch.float32
+    >>> compute_dtype(torch.float32, torch.float64)
+    torch.float64
+    """
+    result = torch.float32
+    for dtype in dtypes:
+        result = torch.promote_types(result, dtype)
+    return result
+
+
+def append_bias_ones(rows: torch.Tensor) -> torch.Tensor:
+    """Append a column of ones: ``(R, in)`` to ``(R, in + 1)``."""
+    ones = rows.new_ones((rows.shape[0], 1))
+    return torch.cat([rows, ones], dim=1)
+
+
+def gram(
+    rows: torch.Tensor,
+    dtype: torch.dtype,
+    scale: float = 1.0,
+) -> torch.Tensor:
+    """Return ``scale² · rowsᵀ rows`` computed in ``dtype``.
+
+    Args:
+        rows: ``(R, n)`` matrix, one statistic vector per row.
+        dtype: the floating type to compute in (at least float32).
+        scale: factor applied to every row before the product.
+
+    Returns:
+        ``(n, n)`` sum of outer products of the (scaled) rows.
+
+    """
+    rows = rows.to(dtype)
+    out = rows.T @ rows
+    if scale != 1.0:
+        out.mul_(scale * scale)
+    return out
+
+
+def running_average(
+    current: torch.Tensor | None,
+    batch: torch.Tensor,
+    decay: float,
+) -> torch.Tensor:
+    """Return ``decay · current + (1 - decay) · batch`` (or ``batch``).
+
+    The first update (``current is None``) returns ``batch`` itself: no
+    identity bias is mixed in. The result has ``current``'s dtype when there
+    is one.
+    """
+    if current is None:
+        return batch
+    batch = batch.to(current.dtype)
+    if decay == 1.0:
+        return current
+    return current.mul(decay).add_(batch, alpha=1.0 - decay)
+
+
+def symmetric_eigh(
+    factor: torch.Tensor,
+    dtype: torch.dtype,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Eigendecomposition of a symmetric positive semi-definite factor.
+
+    Args:
+        factor: ``(n, n)`` symmetric matrix.
+        dtype: the dtype to compute in.
+
+    Returns:
+        ``(Q, d)`` with ``Q`` of shape ``(n, n)`` (orthonormal eigenvectors as
+        columns) and ``d`` of shape ``(n,)``, eigenvalues clamped at 0 (a PSD
+        factor's negative eigenvalues are rounding error).
+
+    """
+    d, q = torch.linalg.eigh(factor.to(dtype))
+    return q, d.clamp_(min=0.0)
+
+
+def eigenvalue_outer_product(
+    dg: torch.Tensor,
+    da: torch.Tensor,
+    damping: float,
+) -> torch.Tensor:
+    """Return ``1 / (d_G d_Aᵀ + λ)`` of shape ``(out, in[+1])``."""
+    return torch.outer(dg, da).add_(damping).reciprocal_()
+
+
+def eigen_precondition(
+    grad: torch.Tensor,
+    qa: torch.Tensor,
+    qg: torch.Tensor,
+    scale: torch.Tensor,
+) -> torch.Tensor:
+    """Return ``Q_G [(Q_Gᵀ V Q_A) ⊙ scale] Q_Aᵀ``.
+
+    With ``scale = 1 / (d_G d_Aᵀ + λ)`` (:func:`eigenvalue_outer_product`)
+    this is ``(A ⊗ G + λ I)⁻¹ vec(V)`` reshaped to ``V``'s shape.
+
+    Args:
+        grad: ``V``, shape ``(out, in[+1])``.
+        qa: ``Q_A``, shape ``(in[+1], in[+1])``.
+        qg: ``Q_G``, shape ``(out, out)``.
+        scale: shape ``(out, in[+1])``.
+
+    """
+    v = qg.T @ grad @ qa
+    v.mul_(scale)
+    return qg @ v @ qa.T
+
+
+def pi_correction(a: torch.Tensor, g: torch.Tensor) -> float:
+    """Return ``π = sqrt((tr A / dim A) / (tr G / dim G))``.
+
+    Falls back to ``π = 1`` (plain Tikhonov split) when either normalised
+    trace is not a positive finite number, e.g. for an all-zero factor.
+    """
+    ta = float(torch.diagonal(a).sum()) / a.shape[0]
+    tg = float(torch.diagonal(g).sum()) / g.shape[0]
+    ratio = ta / tg if tg > 0.0 else float('nan')
+    if not (ta > 0.0 and 0.0 < ratio < float('inf')):
+        return 1.0
+    return float(ratio**0.5)
+
+
+def damped_inverse(
+    factor: torch.Tensor,
+    shift: float,
+    dtype: torch.dtype,
+) -> torch.Tensor:
+    """Return ``(F + shift · I)⁻¹`` computed in ``dtype``, exactly symmetric.
+
+    Args:
+        factor: ``(n, n)`` symmetric positive semi-definite matrix.
+        shift: positive diagonal shift.
+        dtype: the dtype to compute in.
+
+    """
+    f = factor.to(dtype)
+    damped = f + shift * torch.eye(f.shape[0], dtype=dtype, device=f.device)
+    inv: torch.Tensor = torch.linalg.inv(damped)
+    return inv.add_(inv.T.clone()).mul_(0.5)
+
+
+def inverse_precondition(
+    grad: torch.Tensor,
+    a_inv: torch.Tensor,
+    g_inv: torch.Tensor,
+) -> torch.Tensor:
+    """Return ``G⁻¹ V A⁻¹`` for ``V`` of shape ``(out, in[+1])``."""
+    return g_inv @ grad @ a_inv
+
+
+def kl_clip_scale(
+    vg_sum: torch.Tensor,
+    lr: float,
+    kl_clip: float,
+) -> torch.Tensor:
+    """Return ``ν = min(1, sqrt(κ / |lr² · vg_sum|))`` as a 0-d tensor.
+
+    Args:
+        vg_sum: ``Σ V' ⊙ V`` over all preconditioned layers (0-d tensor).
+        lr: the optimizer's learning rate.
+        kl_clip: ``κ``.
+
+    A zero ``vg_sum`` gives ``ν = 1``. Computed without a host
+    synchronisation.
+
+    """
+    denom = (vg_sum * (lr * lr)).abs()
+    scale: torch.Tensor = torch.sqrt(kl_clip / denom).clamp(max=1.0)
+    return scale

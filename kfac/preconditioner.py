@@ -1,0 +1,311 @@
+"""The full KAISA K-FAC preconditioner, built from a model."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Callable
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+from kfac.assignment import KAISAAssignment
+from kfac.assignment import factor_cost
+from kfac.base_preconditioner import BaseKFACPreconditioner
+from kfac.base_preconditioner import GradScalerLike
+from kfac.distributed import TorchDistributedCommunicator
+from kfac.distributed import get_rank
+from kfac.distributed import get_world_size
+from kfac.enums import AssignmentStrategy
+from kfac.enums import ComputeMethod
+from kfac.enums import DistributedStrategy
+from kfac.enums import parse_enum
+from kfac.hyperparams import Hyperparameters
+from kfac.hyperparams import validate_float
+from kfac.hyperparams import validate_int
+from kfac.layers.base import LOSS_REDUCTIONS
+from kfac.layers.base import KFACBaseLayer
+from kfac.layers.eigen import KFACEigenLayer
+from kfac.layers.inverse import KFACInverseLayer
+from kfac.layers.modules import ModuleHelper
+from kfac.layers.register import compile_patterns
+from kfac.layers.register import register_modules
+
+logger = logging.getLogger(__name__)
+
+FractionLike = float | DistributedStrategy | str
+
+
+def _check_bool(name: str, value: object) -> bool:
+    if not isinstance(value, bool):
+        raise TypeError(f'{name} must be a bool; got {value!r}')
+    return value
+
+
+def _check_dtype(name: str, value: object) -> torch.dtype | None:
+    if value is None:
+        return None
+    if not (isinstance(value, torch.dtype) and value.is_floating_point):
+        raise TypeError(
+            f'{name} must be None or a floating torch.dtype; got {value!r}',
+        )
+    return value
+
+
+def _check_fraction(value: object) -> float | DistributedStrategy:
+    if isinstance(value, (DistributedStrategy, str)):
+        return parse_enum(DistributedStrategy, value, 'grad_worker_fraction')
+    return validate_float('grad_worker_fraction', value, low=0.0, high=1.0)
+
+
+@dataclasses.dataclass(frozen=True)
+class KFACConfig:
+    """The non-schedulable options of :class:`KFACPreconditioner`, validated.
+
+    See :class:`KFACPreconditioner` for each field's meaning.
+    """
+
+    accumulation_steps: int = 1
+    allreduce_bucket_cap_mb: float = 25.0
+    assignment_strategy: AssignmentStrategy = AssignmentStrategy.COMPUTE
+    colocate_factors: bool = True
+    compute_method: ComputeMethod = ComputeMethod.EIGEN
+    compute_eigenvalue_outer_product: bool = True
+    grad_worker_fraction: float | DistributedStrategy = (
+        DistributedStrategy.COMM_OPT
+    )
+    symmetry_aware: bool = False
+    factor_dtype: torch.dtype | None = None
+    inv_dtype: torch.dtype | None = None
+    skip_layers: tuple[str, ...] = ()
+    update_factors_in_hook: bool = True
+    loglevel: int = logging.DEBUG
+    loss_reduction: str = 'mean'
+
+    def __post_init__(self) -> None:
+        checked = {
+            'accumulation_steps': validate_int(
+                'accumulation_steps',
+                self.accumulation_steps,
+            ),
+            'allreduce_bucket_cap_mb': validate_float(
+                'allreduce_bucket_cap_mb',
+                self.allreduce_bucket_cap_mb,
+                low=0.0,
+                low_open=False,
+            ),
+            'assignment_strategy': parse_enum(
+                AssignmentStrategy,
+                self.assignment_strategy,
+                'assignment_strategy',
+            ),
+            'compute_method': parse_enum(
+                ComputeMethod,
+                self.compute_method,
+                'compute_method',
+            ),
+            'grad_worker_fraction': _check_fraction(self.grad_worker_fraction),
+            'factor_dtype': _check_dtype('factor_dtype', self.factor_dtype),
+            'inv_dtype': _check_dtype('inv_dtype', self.inv_dtype),
+            'skip_layers': tuple(compile_patterns(self.skip_layers)),
+            'loglevel': validate_int('loglevel', self.loglevel, minimum=0),
+        }
+        for name in (
+            'colocate_factors',
+            'compute_eigenvalue_outer_product',
+            'symmetry_aware',
+            'update_factors_in_hook',
+        ):
+            checked[name] = _check_bool(name, getattr(self, name))
+        if self.loss_reduction not in LOSS_REDUCTIONS:
+            raise ValueError(
+                f'loss_reduction must be one of {LOSS_REDUCTIONS}; got '
+                f'{self.loss_reduction!r}',
+            )
+        for name, value in checked.items():
+            object.__setattr__(self, name, value)
+        if (
+            self.compute_method is ComputeMethod.EIGEN
+            and self.compute_eigenvalue_outer_product
+            and not self.colocate_factors
+        ):
+            raise ValueError(
+                'compute_eigenvalue_outer_product=True needs '
+                'colocate_factors=True (both eigendecompositions on one rank)',
+            )
+
+
+def _make_layer(helper: ModuleHelper, config: KFACConfig) -> KFACBaseLayer:
+    if config.compute_method is ComputeMethod.EIGEN:
+        return KFACEigenLayer(
+            helper,
+            prediv_eigenvalues=config.compute_eigenvalue_outer_product,
+            factor_dtype=config.factor_dtype,
+            inv_dtype=config.inv_dtype,
+            loss_reduction=config.loss_reduction,
+        )
+    return KFACInverseLayer(
+        helper,
+        factor_dtype=config.factor_dtype,
+        inv_dtype=config.inv_dtype,
+        loss_reduction=config.loss_reduction,
+    )
+
+
+class KFACPreconditioner(BaseKFACPreconditioner):
+    """K-FAC preconditioning of a model's Linear and Conv2d layers (KAISA).
+
+    Call :meth:`step` between ``loss.backward()`` and ``optimizer.step()``.
+    Works on one process without ``torch.distributed`` and, initialised, with
+    a DDP-wrapped model on any number of ranks.
+
+    Args:
+        model: the model (a ``DistributedDataParallel`` wrapper is looked
+            through, so layer names are the same with and without it).
+        factor_update_steps: steps between factor updates.
+        inv_update_steps: steps between decompositions.
+        damping: ``λ`` (EIGEN: added to the Kronecker product exactly;
+            INVERSE: split between the factors with the π correction).
+        factor_decay: ``ξ`` in (0, 1] of the factors' running average.
+        kl_clip: ``κ`` of KL clipping, or None to disable it.
+        lr: the optimizer's learning rate, used by KL clipping.
+        accumulation_steps: micro-batches per step (divide each micro-batch
+            loss by it).
+        allreduce_bucket_cap_mb: bucket size of the factor allreduce in MiB;
+            0 disables bucketing.
+        assignment_strategy: cost model balancing inverse workers.
+        colocate_factors: decompose a layer's two factors on one rank.
+        compute_method: ``'eigen'`` or ``'inverse'``.
+        compute_eigenvalue_outer_product: EIGEN only: precompute
+            ``1 / (d_G d_Aᵀ + λ)`` at decomposition time.
+        grad_worker_fraction: fraction of ranks that precondition each
+            layer's gradient: a float or a :class:`DistributedStrategy`.
+        symmetry_aware: communicate symmetric matrices as packed triangles.
+        grad_scaler: the ``GradScaler`` (or a callable returning the loss
+            scale) of mixed-precision training.
+        factor_dtype: dtype of the running factors.
+        inv_dtype: dtype of the decompositions.
+        skip_layers: regexes of module names or class names to leave alone.
+        update_factors_in_hook: compute statistics in the hooks.
+        loglevel: level of informational log messages.
+        loss_reduction: ``'mean'`` or ``'sum'``: the reduction of the loss.
+
+    Every hyperparameter (``factor_update_steps`` to ``lr``) may also be a
+    callable ``step -> value``.
+
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        *,
+        factor_update_steps: int | Callable[[int], int] = 1,
+        inv_update_steps: int | Callable[[int], int] = 1,
+        damping: float | Callable[[int], float] = 0.001,
+        factor_decay: float | Callable[[int], float] = 0.95,
+        kl_clip: float | Callable[[int], float | None] | None = 0.001,
+        lr: float | Callable[[int], float] = 0.1,
+        accumulation_steps: int = 1,
+        allreduce_bucket_cap_mb: float = 25.0,
+        assignment_strategy: AssignmentStrategy | str = 'compute',
+        colocate_factors: bool = True,
+        compute_method: ComputeMethod | str = 'eigen',
+        compute_eigenvalue_outer_product: bool = True,
+        grad_worker_fraction: FractionLike = DistributedStrategy.COMM_OPT,
+        symmetry_aware: bool = False,
+        grad_scaler: GradScalerLike | None = None,
+        factor_dtype: torch.dtype | None = None,
+        inv_dtype: torch.dtype | None = None,
+        skip_layers: str | Iterable[str] | None = None,
+        update_factors_in_hook: bool = True,
+        loglevel: int = logging.DEBUG,
+        loss_reduction: str = 'mean',
+    ) -> None:
+        if not isinstance(model, nn.Module):
+            raise TypeError(
+                f'model must be a torch.nn.Module; got {type(model).__name__}',
+            )
+        hyperparameters = Hyperparameters(
+            factor_update_steps=factor_update_steps,
+            inv_update_steps=inv_update_steps,
+            damping=damping,
+            factor_decay=factor_decay,
+            kl_clip=kl_clip,
+            lr=lr,
+        )
+        config = KFACConfig(
+            accumulation_steps=accumulation_steps,
+            allreduce_bucket_cap_mb=allreduce_bucket_cap_mb,
+            assignment_strategy=assignment_strategy,  # type: ignore[arg-type]  # parsed in __post_init__
+            colocate_factors=colocate_factors,
+            compute_method=compute_method,  # type: ignore[arg-type]  # parsed in __post_init__
+            compute_eigenvalue_outer_product=compute_eigenvalue_outer_product,
+            grad_worker_fraction=grad_worker_fraction,  # type: ignore[arg-type]  # parsed in __post_init__
+            symmetry_aware=symmetry_aware,
+            factor_dtype=factor_dtype,
+            inv_dtype=inv_dtype,
+            skip_layers=skip_layers,  # type: ignore[arg-type]  # parsed in __post_init__
+            update_factors_in_hook=update_factors_in_hook,
+            loglevel=loglevel,
+            loss_reduction=loss_reduction,
+        )
+        self.config = config
+        self.model = model
+        layers = self._build_layers(model, config)
+        work = {
+            name: {
+                f.name: factor_cost(f.dim, config.assignment_strategy)
+                for f in layer.factors
+            }
+            for name, layer in layers.items()
+        }
+        assignment = KAISAAssignment(
+            work,
+            local_rank=get_rank(),
+            world_size=get_world_size(),
+            grad_worker_fraction=config.grad_worker_fraction,
+            colocate_factors=config.colocate_factors,
+        )
+        super().__init__(
+            layers,
+            assignment=assignment,
+            hyperparameters=hyperparameters,
+            accumulation_steps=config.accumulation_steps,
+            update_factors_in_hook=config.update_factors_in_hook,
+            grad_scaler=grad_scaler,
+            communicator=TorchDistributedCommunicator(
+                bucket_cap_mb=config.allreduce_bucket_cap_mb,
+                symmetry_aware=config.symmetry_aware,
+            ),
+            bucketed=config.allreduce_bucket_cap_mb > 0,
+            loglevel=config.loglevel,
+        )
+        logger.log(
+            config.loglevel,
+            'K-FAC registered %d layers (%s); %s; %s',
+            len(layers),
+            ', '.join(layers),
+            config,
+            assignment,
+        )
+
+    @staticmethod
+    def _build_layers(
+        model: nn.Module,
+        config: KFACConfig,
+    ) -> dict[str, KFACBaseLayer]:
+        inner = getattr(model, 'module', None)
+        if isinstance(model, nn.parallel.DistributedDataParallel):
+            model = inner  # type: ignore[assignment]  # DDP always wraps a Module
+        helpers = register_modules(model, skip_layers=config.skip_layers)
+        if not helpers:
+            raise ValueError(
+                'model has no module K-FAC can precondition: it needs an '
+                'nn.Linear or nn.Conv2d (groups=1) whose weight requires '
+                'grad and that skip_layers does not exclude',
+            )
+        return {
+            name: _make_layer(helper, config)
+            for name, helper in helpers.items()
+        }

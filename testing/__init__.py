@@ -1,0 +1,1 @@
+"""Test utilities: launcher, tiny models, dense references (not shipped)."""

@@ -1,0 +1,173 @@
+"""Dense, independent references for the K-FAC quantities.
+
+Nothing here imports ``kfac``: each function computes its quantity from the
+definition (DESIGN.md §3) with explicit loops, slicing, ``torch.kron`` and
+``torch.linalg.solve``, so the library is checked against a second,
+differently written computation.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+def with_ones(rows: torch.Tensor) -> torch.Tensor:
+    """``(R, n)`` rows with a trailing column of ones."""
+    return torch.cat([rows, torch.ones(rows.shape[0], 1, dtype=rows.dtype)], 1)
+
+
+def linear_factors(
+    x: torch.Tensor,
+    grad_output: torch.Tensor,
+    *,
+    bias: bool,
+    reduction: str = 'mean',
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(A, G)`` of a Linear from its input and output gradient.
+
+    ``x`` is ``(N, *positions, in)`` and ``grad_output`` ``(N, *positions,
+    out)``: expand convention, ``A`` averaged over all rows, ``G`` summed
+    over positions and averaged over examples, ``g = N · grad_output`` for
+    the mean reduction.
+    """
+    n = x.shape[0]
+    a_rows = x.reshape(-1, x.shape[-1])
+    if bias:
+        a_rows = with_ones(a_rows)
+    a = sum(torch.outer(r, r) for r in a_rows) / a_rows.shape[0]
+    scale = n if reduction == 'mean' else 1
+    g_rows = grad_output.reshape(-1, grad_output.shape[-1]) * scale
+    g = sum(torch.outer(r, r) for r in g_rows) / n
+    return a, g  # type: ignore[return-value]  # sums of tensors are tensors
+
+
+def conv_patches(conv: nn.Conv2d, x: torch.Tensor) -> torch.Tensor:
+    """Input patches of a Conv2d by explicit slicing, ``(N, L, C·kh·kw)``.
+
+    Padding (numeric or ``'same'``/``'valid'``, any ``padding_mode``),
+    stride and dilation are applied by hand; positions are in row-major
+    output order.
+    """
+    kh, kw = conv.kernel_size
+    dh, dw = conv.dilation
+    sh, sw = conv.stride
+    if isinstance(conv.padding, str):
+        same = conv.padding == 'same'
+        th, tw = dh * (kh - 1) * same, dw * (kw - 1) * same
+        pad = (tw // 2, tw - tw // 2, th // 2, th - th // 2)
+    else:
+        ph, pw = conv.padding
+        pad = (pw, pw, ph, ph)
+    mode = 'constant' if conv.padding_mode == 'zeros' else conv.padding_mode
+    xp = F.pad(x, pad, mode=mode)
+    out_h = (xp.shape[2] - dh * (kh - 1) - 1) // sh + 1
+    out_w = (xp.shape[3] - dw * (kw - 1) - 1) // sw + 1
+    patches = []
+    for i in range(out_h):
+        for j in range(out_w):
+            window = xp[
+                :,
+                :,
+                i * sh : i * sh + dh * (kh - 1) + 1 : dh,
+                j * sw : j * sw + dw * (kw - 1) + 1 : dw,
+            ]
+            patches.append(window.reshape(x.shape[0], -1))
+    return torch.stack(patches, dim=1)
+
+
+def conv_factors(
+    conv: nn.Conv2d,
+    x: torch.Tensor,
+    grad_output: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(A, G)`` of a Conv2d: a Linear on patches with shared positions."""
+    patches = conv_patches(conv, x)
+    g = grad_output.permute(0, 2, 3, 1)  # (N, H', W', out)
+    g = g.reshape(g.shape[0], -1, g.shape[-1])
+    return linear_factors(patches, g, bias=conv.bias is not None)
+
+
+def grad_matrix(module: nn.Module) -> torch.Tensor:
+    """``[∇W, ∇b]`` of a Linear or Conv2d, ``(out, in[+1])``."""
+    weight = module.weight
+    assert isinstance(weight, torch.Tensor) and weight.grad is not None
+    v = weight.grad.reshape(weight.shape[0], -1)
+    bias = module.bias
+    if isinstance(bias, torch.Tensor):
+        assert bias.grad is not None
+        v = torch.cat([v, bias.grad[:, None]], 1)
+    return v
+
+
+def vec(v: torch.Tensor) -> torch.Tensor:
+    """Column-stacking ``vec``."""
+    return v.T.reshape(-1)
+
+
+def unvec(x: torch.Tensor, shape: tuple[int, int]) -> torch.Tensor:
+    """Inverse of :func:`vec`."""
+    return x.reshape(shape[1], shape[0]).T
+
+
+def eigen_reference(
+    a: torch.Tensor,
+    g: torch.Tensor,
+    v: torch.Tensor,
+    damping: float,
+) -> torch.Tensor:
+    """``(A ⊗ G + λ I)⁻¹ vec(V)`` by a dense solve."""
+    k = torch.kron(a, g)
+    k = k + damping * torch.eye(k.shape[0], dtype=k.dtype)
+    return unvec(torch.linalg.solve(k, vec(v)), tuple(v.shape))  # type: ignore[arg-type]
+
+
+def inverse_reference(
+    a: torch.Tensor,
+    g: torch.Tensor,
+    v: torch.Tensor,
+    damping: float,
+) -> torch.Tensor:
+    """``((A + π√λ I) ⊗ (G + √λ/π I))⁻¹ vec(V)`` by a dense solve."""
+    pi = ((a.trace() / a.shape[0]) / (g.trace() / g.shape[0])).sqrt()
+    root = damping**0.5
+    ad = a + pi * root * torch.eye(a.shape[0], dtype=a.dtype)
+    gd = g + root / pi * torch.eye(g.shape[0], dtype=g.dtype)
+    k = torch.kron(ad, gd)
+    return unvec(torch.linalg.solve(k, vec(v)), tuple(v.shape))  # type: ignore[arg-type]
+
+
+def per_example_fisher(
+    model: nn.Module,
+    module_name: str,
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    x: torch.Tensor,
+    y: torch.Tensor,
+) -> torch.Tensor:
+    """Exact ``E_n[vec(∇ℓ_n) vec(∇ℓ_n)ᵀ]`` of one module, with ``torch.func``.
+
+    ``vec`` stacks the columns of ``[∇W, ∇b]``.
+    """
+    params = {k: p.detach() for k, p in model.named_parameters()}
+    wkey, bkey = f'{module_name}.weight', f'{module_name}.bias'
+
+    def loss(
+        p: dict[str, torch.Tensor], xi: torch.Tensor, yi: torch.Tensor
+    ) -> torch.Tensor:
+        out = torch.func.functional_call(model, p, (xi[None],))
+        return loss_fn(out, yi[None])
+
+    grads = torch.func.vmap(torch.func.grad(loss), in_dims=(None, 0, 0))(
+        params,
+        x,
+        y,
+    )
+    w = grads[wkey].reshape(x.shape[0], grads[wkey].shape[1], -1)
+    if bkey in grads:
+        w = torch.cat([w, grads[bkey][:, :, None]], dim=2)
+    vecs = w.transpose(1, 2).reshape(x.shape[0], -1)
+    fisher: torch.Tensor = vecs.T @ vecs / x.shape[0]
+    return fisher

@@ -1,0 +1,191 @@
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kfac.layers.modules import Conv2dModuleHelper
+from kfac.layers.modules import LinearModuleHelper
+from kfac.layers.modules import ModuleHelper
+from testing.asserts import assert_rel_close
+from testing.reference import conv_factors
+from testing.reference import conv_patches
+from testing.reference import grad_matrix
+from testing.reference import linear_factors
+
+F64 = torch.float64
+
+
+def factors(
+    helper: ModuleHelper,
+    x: torch.Tensor,
+    gout: torch.Tensor,
+    reduction: str = 'mean',
+) -> tuple[torch.Tensor, torch.Tensor]:
+    a_sum, a_count = helper.a_statistic(x, F64)
+    g_sum, g_count = helper.g_statistic(
+        gout,
+        F64,
+        1.0,
+        per_example=reduction == 'mean',
+    )
+    return a_sum / a_count, g_sum / g_count
+
+
+@pytest.mark.parametrize(
+    'shape',
+    [(5, 4), (3, 6, 4), (2, 3, 2, 4), (4,)],
+    ids=['2d', '3d-sequence', '4d', 'unbatched'],
+)
+@pytest.mark.parametrize('bias', [True, False])
+@pytest.mark.parametrize('reduction', ['mean', 'sum'])
+def test_linear_factors_equal_definition(
+    shape: tuple[int, ...],
+    bias: bool,
+    reduction: str,
+) -> None:
+    torch.manual_seed(0)
+    layer = nn.Linear(4, 3, bias=bias).double()
+    x = torch.randn(shape, dtype=F64)
+    gout = torch.randn((*shape[:-1], 3), dtype=F64)
+    helper = LinearModuleHelper(layer)
+    a, g = factors(helper, x, gout, reduction)
+    xb, gb = (x[None], gout[None]) if x.dim() == 1 else (x, gout)
+    a_ref, g_ref = linear_factors(xb, gb, bias=bias, reduction=reduction)
+    assert_rel_close(a, a_ref, label='factors: linear A')
+    assert_rel_close(g, g_ref, label='factors: linear G')
+    n = 4 + int(bias)
+    assert helper.a_factor_shape == (n, n)
+    assert helper.g_factor_shape == (3, 3)
+    assert helper.grad_shape == (3, n)
+
+
+CONVS = {
+    'plain': dict(kernel_size=3),
+    'stride-pad': dict(kernel_size=3, stride=2, padding=1),
+    'asym': dict(kernel_size=(3, 2), stride=(2, 1), padding=(2, 0)),
+    'dilation': dict(kernel_size=3, dilation=2, padding=2),
+    'same': dict(kernel_size=(4, 3), padding='same', dilation=(1, 2)),
+    'valid': dict(kernel_size=2, padding='valid', bias=False),
+    'reflect': dict(kernel_size=3, padding=1, padding_mode='reflect'),
+    'circular': dict(kernel_size=3, padding=2, padding_mode='circular'),
+    'replicate': dict(kernel_size=3, padding=(1, 2), padding_mode='replicate'),
+}
+
+
+@pytest.mark.parametrize('name', list(CONVS))
+def test_conv_factors_equal_definition(name: str) -> None:
+    torch.manual_seed(1)
+    conv = nn.Conv2d(2, 3, **CONVS[name]).double()  # type: ignore[arg-type]
+    x = torch.randn(3, 2, 7, 6, dtype=F64)
+    out = conv(x)
+    gout = torch.randn_like(out)
+    helper = Conv2dModuleHelper(conv)
+    a, g = factors(helper, x, gout)
+    a_ref, g_ref = conv_factors(conv, x, gout)
+    assert_rel_close(a, a_ref, label='factors: conv2d A')
+    assert_rel_close(g, g_ref, label='factors: conv2d G')
+
+
+@pytest.mark.parametrize('name', list(CONVS))
+def test_conv_equals_linear_on_patches(name: str) -> None:
+    """A conv is a Linear over its input patches shared across positions."""
+    torch.manual_seed(2)
+    conv = nn.Conv2d(2, 3, **CONVS[name]).double()  # type: ignore[arg-type]
+    x = torch.randn(2, 2, 6, 7, dtype=F64)
+    patches = conv_patches(conv, x)  # (N, L, C*kh*kw)
+    linear = nn.Linear(
+        patches.shape[-1],
+        3,
+        bias=conv.bias is not None,
+    ).double()
+    with torch.no_grad():
+        linear.weight.copy_(conv.weight.reshape(3, -1))
+        if conv.bias is not None:
+            linear.bias.copy_(conv.bias)
+    out = conv(x)
+    lin_out = linear(patches)  # (N, L, out)
+    assert_rel_close(
+        lin_out.transpose(1, 2).reshape(out.shape),
+        out,
+        label='conv vs linear on patches',
+    )
+    gout = torch.randn_like(out)
+    lin_gout = gout.flatten(2).transpose(1, 2)
+    conv_a, conv_g = factors(Conv2dModuleHelper(conv), x, gout)
+    lin_a, lin_g = factors(LinearModuleHelper(linear), patches, lin_gout)
+    assert_rel_close(conv_a, lin_a, label='conv vs linear on patches')
+    assert_rel_close(conv_g, lin_g, label='conv vs linear on patches')
+
+
+def test_conv_unbatched_input() -> None:
+    conv = nn.Conv2d(2, 3, 3, padding=1).double()
+    x = torch.randn(2, 5, 5, dtype=F64)
+    gout = torch.randn(3, 5, 5, dtype=F64)
+    a, g = factors(Conv2dModuleHelper(conv), x, gout)
+    a_ref, g_ref = conv_factors(conv, x[None], gout[None])
+    assert_rel_close(a, a_ref, label='factors: conv2d A')
+    assert_rel_close(g, g_ref, label='factors: conv2d G')
+
+
+def test_grouped_conv_is_refused() -> None:
+    with pytest.raises(ValueError, match='groups=2'):
+        Conv2dModuleHelper(nn.Conv2d(4, 4, 3, groups=2))
+
+
+@pytest.mark.parametrize(
+    'module',
+    [
+        nn.Linear(4, 3),
+        nn.Linear(4, 3, bias=False),
+        nn.Conv2d(2, 3, (3, 2)),
+        nn.Conv2d(2, 3, 3, bias=False),
+    ],
+    ids=['linear', 'linear-nobias', 'conv', 'conv-nobias'],
+)
+def test_grad_get_and_set_round_trip(module: nn.Module) -> None:
+    module = module.double()
+    helper: ModuleHelper = (
+        Conv2dModuleHelper(module)
+        if isinstance(module, nn.Conv2d)
+        else LinearModuleHelper(module)
+    )
+    assert helper.get_grad() is None
+    x = torch.randn((2, 2, 5, 5) if isinstance(module, nn.Conv2d) else (2, 4))
+    module(x.double()).square().sum().backward()
+    v = helper.get_grad()
+    assert v is not None
+    assert v.shape == helper.grad_shape
+    assert torch.equal(v, grad_matrix(module))
+    new = torch.randn(helper.grad_shape, dtype=F64)
+    helper.set_grad(new)
+    assert torch.equal(grad_matrix(module), new)
+    # Writing into parameters without a .grad creates it.
+    module.zero_grad(set_to_none=True)
+    helper.set_grad(new)
+    assert torch.equal(grad_matrix(module), new)
+
+
+def test_frozen_bias_is_not_part_of_the_factors() -> None:
+    layer = nn.Linear(3, 2).double()
+    layer.bias.requires_grad_(False)
+    helper = LinearModuleHelper(layer)
+    assert not helper.has_bias
+    assert helper.a_factor_shape == (3, 3)
+    F.linear(torch.randn(4, 3, dtype=F64), layer.weight).sum().backward()
+    v = helper.get_grad()
+    assert v is not None
+    assert v.shape == (2, 3)
+
+
+def test_missing_bias_grad_reads_as_zero() -> None:
+    layer = nn.Linear(3, 2).double()
+    F.linear(torch.randn(4, 3, dtype=F64), layer.weight).sum().backward()
+    v = LinearModuleHelper(layer).get_grad()
+    assert v is not None
+    assert torch.equal(v[:, -1], torch.zeros(2, dtype=F64))
+
+
+def test_repr_names_module() -> None:
+    assert 'Linear' in repr(LinearModuleHelper(nn.Linear(2, 2)))

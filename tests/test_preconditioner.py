@@ -1,0 +1,347 @@
+"""Behaviour of the preconditioner's step, hooks and bookkeeping."""
+
+from __future__ import annotations
+
+import copy
+import logging
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kfac.preconditioner import KFACPreconditioner
+from testing.asserts import assert_rel_close
+from testing.models import AttentionNet
+from testing.models import BranchNet
+from testing.models import TinyCNN
+from testing.models import TinyMLP
+from testing.models import classification_data
+from testing.reference import grad_matrix
+
+F64 = torch.float64
+
+
+def backward(model: nn.Module, seed: int = 0, n: int = 8) -> None:
+    x, y = classification_data(n, (6,), seed=seed)
+    F.cross_entropy(model(x), y).backward()
+
+
+def train(
+    model: nn.Module,
+    precon: KFACPreconditioner | None,
+    steps: int,
+    *,
+    lr: float = 0.1,
+    shape: tuple[int, ...] = (6,),
+) -> list[float]:
+    optimizer = torch.optim.SGD(model.parameters(), lr=lr)
+    losses = []
+    for step in range(steps):
+        x, y = classification_data(32, shape, seed=step)
+        optimizer.zero_grad()
+        loss = F.cross_entropy(model(x), y)
+        loss.backward()
+        if precon is not None:
+            precon.step()
+        optimizer.step()
+        losses.append(float(loss))
+    return losses
+
+
+@pytest.mark.parametrize('method', ['eigen', 'inverse'])
+def test_kfac_decreases_the_loss_faster_than_sgd(method: str) -> None:
+    """The seed's end-to-end check: K-FAC trains a small CNN."""
+    torch.manual_seed(0)
+    model = TinyCNN().double()
+    baseline = copy.deepcopy(model)
+    x, y = classification_data(64, (2, 8, 8), seed=99)
+    precon = KFACPreconditioner(model, compute_method=method, damping=0.01)
+    opt_k = torch.optim.SGD(model.parameters(), lr=0.1)
+    opt_s = torch.optim.SGD(baseline.parameters(), lr=0.1)
+    first = float(F.cross_entropy(model(x), y))
+    for _ in range(15):
+        for m, opt, p in ((model, opt_k, precon), (baseline, opt_s, None)):
+            opt.zero_grad()
+            F.cross_entropy(m(x), y).backward()
+            if p is not None:
+                p.step()
+            opt.step()
+    kfac_loss = float(F.cross_entropy(model(x), y))
+    sgd_loss = float(F.cross_entropy(baseline(x), y))
+    assert kfac_loss < 0.5 * first
+    assert kfac_loss < sgd_loss
+
+
+def test_update_intervals_gate_factors_and_decompositions() -> None:
+    model = TinyMLP().double()
+    precon = KFACPreconditioner(
+        model, factor_update_steps=2, inv_update_steps=4
+    )
+    layer = precon.layers['fc1']
+    seen = []
+    for step in range(8):
+        model.zero_grad()
+        before = (layer.a.value, layer.a.decomposition)
+        backward(model, seed=step)
+        precon.step()
+        after = (layer.a.value, layer.a.decomposition)
+        seen.append((after[0] is not before[0], after[1] is not before[1]))
+    assert seen == [(step % 2 == 0, step % 4 == 0) for step in range(8)]
+    assert precon.steps == 8
+
+
+def test_non_capture_steps_store_nothing() -> None:
+    model = TinyMLP().double()
+    precon = KFACPreconditioner(model, factor_update_steps=3)
+    backward(model)
+    precon.step()
+    backward(model)
+    assert precon.memory_usage()['a_batch'] == 0
+    assert precon.layers['fc1'].a.captures == 0
+
+
+def test_eval_mode_and_no_grad_are_not_captured() -> None:
+    model = TinyMLP().double()
+    precon = KFACPreconditioner(model, update_factors_in_hook=False)
+    x, _ = classification_data(4, (6,))
+    with torch.no_grad():
+        model(x)
+    model.eval()
+    model(x)
+    assert precon.memory_usage()['a_batch'] == 0
+
+
+def test_callable_hyperparameters_are_called_with_the_step() -> None:
+    model = TinyMLP().double()
+    calls: list[int] = []
+
+    def damping(step: int) -> float:
+        calls.append(step)
+        return 0.01 * (step + 1)
+
+    precon = KFACPreconditioner(model, damping=damping, kl_clip=None)
+    for step in range(3):
+        model.zero_grad()
+        backward(model, seed=step)
+        precon.step()
+        assert precon.damping == pytest.approx(0.01 * (step + 2))
+    assert set(calls) == {0, 1, 2, 3}
+
+
+def test_callable_hyperparameter_with_invalid_value_raises() -> None:
+    model = TinyMLP().double()
+    precon = KFACPreconditioner(model, damping=lambda step: -1.0)
+    with pytest.raises(
+        ValueError, match='damping must be a finite number > 0'
+    ):
+        backward(model)
+        precon.step()
+
+
+def test_kl_clip_none_leaves_preconditioned_grad_unscaled() -> None:
+    model = TinyMLP().double()
+    twin = copy.deepcopy(model)
+    a = KFACPreconditioner(model, kl_clip=None)
+    b = KFACPreconditioner(twin, kl_clip=1e12)  # never clips
+    backward(model)
+    backward(twin)
+    a.step()
+    b.step()
+    for name in a.layers:
+        assert torch.equal(
+            grad_matrix(model.get_submodule(name)),
+            grad_matrix(twin.get_submodule(name)),
+        )
+
+
+def test_module_that_did_not_run_keeps_its_gradient(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    model = BranchNet().double()
+    precon = KFACPreconditioner(model)
+    x = torch.randn(5, 4, dtype=F64)
+    with caplog.at_level(logging.WARNING, logger='kfac'):
+        for _ in range(3):
+            model.zero_grad()
+            model(x).sum().backward()
+            precon.step()
+    assert model.branch.weight.grad is None
+    assert not precon.layers['branch'].has_factors
+    messages = [
+        r.getMessage() for r in caplog.records if 'branch' in r.getMessage()
+    ]
+    assert len([m for m in messages if 'did not run' in m]) == 1
+    # When the branch starts running, it is preconditioned from then on.
+    model.use_branch = True
+    model.zero_grad()
+    model(x).sum().backward()
+    raw = grad_matrix(model.branch).clone()
+    precon.step()
+    assert precon.layers['branch'].has_factors
+    assert not torch.equal(grad_matrix(model.branch), raw)
+
+
+def test_multihead_attention_out_proj_is_left_alone(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    model = AttentionNet().double()
+    precon = KFACPreconditioner(model)
+    assert 'attn.out_proj' in precon.layers
+    x = torch.randn(4, 5, 8, dtype=F64)
+    y = torch.randint(0, 3, (4,))
+    with caplog.at_level(logging.WARNING, logger='kfac'):
+        for _ in range(2):
+            model.zero_grad()
+            F.cross_entropy(model(x), y).backward()
+            raw = model.attn.out_proj.weight.grad.clone()  # type: ignore[union-attr]
+            precon.step()
+            assert torch.equal(model.attn.out_proj.weight.grad, raw)  # type: ignore[arg-type]
+    assert precon.layers['embed'].has_factors
+    assert sum('attn.out_proj' in r.getMessage() for r in caplog.records) == 2
+
+
+def test_remove_detaches_hooks() -> None:
+    model = TinyMLP().double()
+    precon = KFACPreconditioner(model, update_factors_in_hook=False)
+    precon.remove()
+    backward(model)
+    assert precon.memory_usage()['a_batch'] == 0
+    assert not model.fc1._forward_hooks
+    with pytest.raises(RuntimeError, match='removed'):
+        precon.step()
+
+
+def test_reset_batch_drops_captured_data() -> None:
+    model = TinyMLP().double()
+    precon = KFACPreconditioner(model, update_factors_in_hook=False)
+    backward(model)
+    usage = precon.memory_usage()
+    # Stored activations: fc1 input 8x6, fc2 input 8x5, grads 8x5 and 8x3.
+    assert usage['a_batch'] == 8 * (6 + 5) * 8
+    assert usage['g_batch'] == 8 * (5 + 3) * 8
+    precon.reset_batch()
+    usage = precon.memory_usage()
+    assert usage['a_batch'] == usage['g_batch'] == 0
+
+
+def test_memory_usage_counts_factors_and_decompositions() -> None:
+    model = TinyMLP().double()
+    precon = KFACPreconditioner(model, compute_eigenvalue_outer_product=False)
+    backward(model)
+    precon.step()
+    usage = precon.memory_usage()
+    # fc1: A 7x7, G 5x5; fc2: A 6x6, G 3x3 (float64).
+    assert usage['a_factors'] == (49 + 36) * 8
+    assert usage['g_factors'] == (25 + 9) * 8
+    # eigenvectors and eigenvalues
+    assert usage['a_inverses'] == (49 + 7 + 36 + 6) * 8
+    assert usage['g_inverses'] == (25 + 5 + 9 + 3) * 8
+    assert usage['total'] == sum(v for k, v in usage.items() if k != 'total')
+
+
+def test_hook_accumulation_with_statistics_in_hook_uses_no_activations() -> (
+    None
+):
+    model = TinyMLP().double()
+    precon = KFACPreconditioner(model, update_factors_in_hook=True)
+    x, _ = classification_data(8, (6,))
+    model(x)
+    # Statistics, not activations: a (n x n) sum per factor.
+    assert precon.memory_usage()['a_batch'] == (49 + 36) * 8
+
+
+def test_grad_scaler_scale_is_divided_out() -> None:
+    model = TinyMLP().double()
+    twin = copy.deepcopy(model)
+    scale = 1024.0
+    plain = KFACPreconditioner(model)
+    scaled = KFACPreconditioner(twin, grad_scaler=lambda: scale)
+    x, y = classification_data(8, (6,))
+    F.cross_entropy(model(x), y).backward()
+    (F.cross_entropy(twin(x), y) * scale).backward()
+    plain.step()
+    scaled.step()
+    for name, layer in plain.layers.items():
+        assert layer.g.value is not None
+        g = scaled.layers[name].g.value
+        assert g is not None
+        assert_rel_close(g, layer.g.value, label='grad scaler')
+
+
+class _Scaler:
+    def __init__(self, scale: float) -> None:
+        self.scale = scale
+        self.calls = 0
+
+    def get_scale(self) -> float:
+        self.calls += 1
+        return self.scale
+
+
+def test_grad_scaler_object_is_read_once_per_step() -> None:
+    model = TinyMLP().double()
+    scaler = _Scaler(8.0)
+    precon = KFACPreconditioner(model, grad_scaler=scaler)
+    for step in range(3):
+        model.zero_grad()
+        backward(model, seed=step)
+        precon.step()
+    assert scaler.calls == 3
+
+
+def test_amp_grad_scaler_is_accepted() -> None:
+    model = TinyMLP().double()
+    scaler = torch.amp.GradScaler('cpu', init_scale=4.0)
+    precon = KFACPreconditioner(model, grad_scaler=scaler)
+    x, y = classification_data(8, (6,))
+    scaler.scale(F.cross_entropy(model(x), y)).backward()
+    precon.step()
+    twin = TinyMLP().double()
+    twin.load_state_dict(model.state_dict())
+    assert precon.layers['fc1'].g.value is not None
+
+
+def test_step_counts_and_repr() -> None:
+    model = TinyMLP().double()
+    precon = KFACPreconditioner(model)
+    assert precon.steps == 0
+    backward(model)
+    precon.step()
+    assert precon.steps == 1
+    assert 'layers=2' in repr(precon)
+    assert 'KFACEigenLayer' in repr(precon.layers['fc1'])
+
+
+def test_shared_module_in_hook_warns_and_ignores_extra_passes(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    layer = nn.Linear(3, 3).double()
+    model = nn.Sequential(layer, nn.Tanh(), layer)
+    precon = KFACPreconditioner(model)
+    with caplog.at_level(logging.WARNING, logger='kfac'):
+        model(torch.randn(4, 3, dtype=F64)).sum().backward()
+        precon.step()
+    assert any('more than' in r.getMessage() for r in caplog.records)
+    assert precon.layers['0'].has_factors
+
+
+def test_loss_decreases_for_bfloat16_model_with_float32_factors() -> None:
+    torch.manual_seed(0)
+    model = TinyMLP().to(torch.bfloat16)
+    precon = KFACPreconditioner(model, damping=0.01)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    x, y = classification_data(64, (6,), dtype=torch.bfloat16)
+    losses = []
+    for _ in range(10):
+        optimizer.zero_grad()
+        loss = F.cross_entropy(model(x).float(), y)
+        loss.backward()
+        precon.step()
+        optimizer.step()
+        losses.append(float(loss))
+    layer = precon.layers['fc1']
+    assert layer.a.value is not None
+    assert layer.a.value.dtype == torch.float32
+    assert layer.inv_dtype == torch.float32
+    assert losses[-1] < losses[0]

@@ -1,0 +1,244 @@
+"""state_dict / load_state_dict: safe format, exact resume, clear errors."""
+
+from __future__ import annotations
+
+import copy
+import io
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kfac.preconditioner import KFACPreconditioner
+from kfac.state import STATE_VERSION
+from testing.models import TinyCNN
+from testing.models import TinyMLP
+from testing.models import classification_data
+
+
+def run_steps(
+    model: nn.Module,
+    precon: KFACPreconditioner,
+    optimizer: torch.optim.Optimizer,
+    steps: range,
+) -> None:
+    for step in steps:
+        x, y = classification_data(
+            8, (2, 8, 8), seed=step, dtype=torch.float32
+        )
+        optimizer.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        precon.step()
+        optimizer.step()
+
+
+def roundtrip(obj: Any) -> Any:
+    buffer = io.BytesIO()
+    torch.save(obj, buffer)
+    buffer.seek(0)
+    return torch.load(buffer, weights_only=True)
+
+
+KWARGS = [
+    {'compute_method': 'eigen'},
+    {'compute_method': 'eigen', 'compute_eigenvalue_outer_product': False},
+    {'compute_method': 'inverse'},
+]
+
+
+@pytest.mark.parametrize('kwargs', KWARGS)
+@pytest.mark.parametrize('stop', [3, 5])
+def test_resume_is_bit_identical(kwargs: dict[str, Any], stop: int) -> None:
+    torch.manual_seed(0)
+    options = dict(
+        factor_update_steps=2,
+        inv_update_steps=3,
+        factor_decay=0.8,
+        lr=0.05,
+        **kwargs,
+    )
+    model = TinyCNN()
+    resumed_model = copy.deepcopy(model)
+    precon = KFACPreconditioner(model, **options)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    run_steps(model, precon, optimizer, range(stop))
+    checkpoint = roundtrip(
+        {
+            'model': model.state_dict(),
+            'optimizer': optimizer.state_dict(),
+            'kfac': precon.state_dict(),
+        },
+    )
+    run_steps(model, precon, optimizer, range(stop, 8))
+
+    precon2 = KFACPreconditioner(resumed_model, **options)
+    optimizer2 = torch.optim.SGD(
+        resumed_model.parameters(), lr=0.05, momentum=0.9
+    )
+    resumed_model.load_state_dict(checkpoint['model'])
+    optimizer2.load_state_dict(checkpoint['optimizer'])
+    precon2.load_state_dict(checkpoint['kfac'])
+    assert precon2.steps == stop
+    run_steps(resumed_model, precon2, optimizer2, range(stop, 8))
+    for p, q in zip(model.parameters(), resumed_model.parameters()):
+        assert torch.equal(p, q)
+
+
+def test_state_dict_contents() -> None:
+    model = TinyMLP().double()
+    precon = KFACPreconditioner(model, damping=lambda s: 0.1, kl_clip=None)
+    x, y = classification_data(4, (6,))
+    F.cross_entropy(model(x), y).backward()
+    precon.step()
+    state = roundtrip(precon.state_dict())
+    assert state['version'] == STATE_VERSION
+    assert state['steps'] == 1
+    assert 'damping' not in state['hyperparameters']  # a callable
+    assert state['hyperparameters']['kl_clip'] is None
+    assert state['hyperparameters']['factor_decay'] == 0.95
+    assert set(state['layers']) == {'fc1', 'fc2'}
+    assert state['layers']['fc1']['A'].shape == (7, 7)
+    assert state['decompositions']['fc1']['format'] == 'eigen_outer'
+    assert 'decompositions' not in precon.state_dict(
+        include_decompositions=False
+    )
+
+
+def test_state_dict_returns_copies() -> None:
+    model = TinyMLP().double()
+    precon = KFACPreconditioner(model)
+    x, y = classification_data(4, (6,))
+    F.cross_entropy(model(x), y).backward()
+    precon.step()
+    state = precon.state_dict()
+    state['layers']['fc1']['A'].zero_()
+    assert precon.layers['fc1'].a.value.abs().sum() > 0  # type: ignore[union-attr]
+
+
+def trained(**kwargs: Any) -> tuple[nn.Module, KFACPreconditioner]:
+    model = TinyMLP().double()
+    precon = KFACPreconditioner(model, **kwargs)
+    x, y = classification_data(4, (6,))
+    F.cross_entropy(model(x), y).backward()
+    precon.step()
+    return model, precon
+
+
+def test_load_restores_hyperparameter_constants() -> None:
+    _, precon = trained(damping=0.5, factor_decay=0.5)
+    _, other = trained()
+    other.load_state_dict(precon.state_dict())
+    assert other.damping == 0.5
+    assert other.factor_decay == 0.5
+    _, scheduled = trained(damping=lambda s: 0.2)
+    scheduled.load_state_dict(precon.state_dict())
+    assert scheduled.damping == 0.2  # a callable stays in charge
+
+
+def test_load_recomputes_decompositions_when_absent_or_incompatible() -> None:
+    _, precon = trained(compute_method='eigen')
+    _, other = trained(compute_method='inverse')
+    other.load_state_dict(precon.state_dict())  # eigen format: recomputed
+    for name, layer in other.layers.items():
+        assert layer.a.decomposition is not None
+        assert torch.equal(layer.a.value, precon.layers[name].a.value)  # type: ignore[arg-type]
+    _, third = trained(compute_method='eigen')
+    third.load_state_dict(precon.state_dict(include_decompositions=False))
+    for name, layer in third.layers.items():
+        mine, theirs = (
+            layer.g.decomposition,
+            precon.layers[name].g.decomposition,
+        )
+        assert mine is not None and theirs is not None
+        assert torch.equal(mine[0], theirs[0])
+
+
+def test_load_before_any_step_and_factorless_layers() -> None:
+    _, fresh = trained()
+    model = TinyMLP().double()
+    empty = KFACPreconditioner(model)
+    fresh.load_state_dict(empty.state_dict())
+    assert fresh.steps == 0
+    assert not fresh.layers['fc1'].has_factors
+    assert not fresh.layers['fc1'].has_decomposition
+
+
+def test_mismatched_checkpoint_names_every_problem() -> None:
+    _, precon = trained()
+    state = precon.state_dict()
+    state['layers']['extra'] = {}
+    del state['layers']['fc2']
+    state['layers']['fc1']['A'] = torch.zeros(3, 3)
+    state['layers']['fc1']['B'] = torch.zeros(3, 3)
+    _, other = trained()
+    before = other.layers['fc1'].a.value.clone()  # type: ignore[union-attr]
+    with pytest.raises(ValueError) as info:
+        other.load_state_dict(state)
+    message = str(info.value)
+    assert 'missing layers: fc2' in message
+    assert 'unexpected layers: extra' in message
+    assert 'layers.fc1.A has shape (3, 3), expected (7, 7)' in message
+    assert 'unexpected entry layers.fc1.B' in message
+    assert torch.equal(other.layers['fc1'].a.value, before)  # type: ignore[arg-type]
+
+
+def test_non_strict_load_skips_missing_and_unexpected_layers() -> None:
+    _, precon = trained()
+    state = precon.state_dict()
+    state['layers']['extra'] = {}
+    del state['layers']['fc2']
+    _, other = trained()
+    other.load_state_dict(state, strict=False)
+    assert torch.equal(
+        other.layers['fc1'].a.value,  # type: ignore[arg-type]
+        precon.layers['fc1'].a.value,  # type: ignore[arg-type]
+    )
+    assert not other.layers['fc2'].has_factors
+    state['layers']['fc1']['A'] = torch.zeros(2, 2)
+    with pytest.raises(ValueError, match='layers.fc1.A has shape'):
+        other.load_state_dict(state, strict=False)
+
+
+@pytest.mark.parametrize(
+    ('mutate', 'error', 'match'),
+    [
+        (lambda s: s.update(version=99), ValueError, 'format version 99'),
+        (lambda s: s.pop('version'), ValueError, 'format version None'),
+        (lambda s: s.pop('steps'), ValueError, "missing the entry 'steps'"),
+        (lambda s: s.pop('layers'), ValueError, "missing the entry 'layers'"),
+    ],
+)
+def test_bad_state_headers(mutate: Any, error: type, match: str) -> None:
+    _, precon = trained()
+    state = precon.state_dict()
+    mutate(state)
+    with pytest.raises(error, match=match):
+        precon.load_state_dict(state)
+
+
+def test_state_must_be_a_mapping() -> None:
+    _, precon = trained()
+    with pytest.raises(TypeError, match='state_dict must be a mapping'):
+        precon.load_state_dict([1, 2])  # type: ignore[arg-type]
+
+
+def test_unknown_hyperparameters_in_state_are_ignored() -> None:
+    _, precon = trained()
+    state = precon.state_dict()
+    state['hyperparameters']['mystery'] = 1.0
+    precon.load_state_dict(state)
+    assert precon.steps == 1
+
+
+def test_tampered_decomposition_is_recomputed() -> None:
+    _, precon = trained()
+    state = precon.state_dict()
+    state['decompositions']['fc1']['A'] = [torch.zeros(2, 2)]
+    _, other = trained()
+    other.load_state_dict(state)
+    mine = other.layers['fc1'].a.decomposition
+    theirs = precon.layers['fc1'].a.decomposition
+    assert mine is not None and theirs is not None
+    assert torch.equal(mine[0], theirs[0])
