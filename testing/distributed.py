@@ -104,6 +104,8 @@ def run_distributed(
     ``torch.set_num_threads(1)``, calls ``init_process_group`` (file store in
     ``tmp_path``, process-group timeout ``timeout``), runs ``fn(*args)`` and
     destroys the group. ``fn`` reads its rank from ``torch.distributed``.
+    Gloo is bound to the loopback interface (``GLOO_SOCKET_IFNAME``, unless
+    the environment sets it).
 
     Args:
         fn: a picklable (module-level) function; its return value is ignored.
@@ -279,19 +281,23 @@ def _report(
         if rank in notes:
             status += f' ({notes[rank]})'
         lines.append(status)
-        lines.extend(_indented_file(spec.traceback_file(rank)))
-        if rank in notes:
-            lines.append('  stacks when it was stopped:')
-            lines.extend(_indented_file(spec.stack_file(rank)))
+        trace = _indented_file(spec.traceback_file(rank))
+        if rank not in notes:
+            lines.extend(
+                trace or ['    (no traceback: see the captured stderr)']
+            )
+            continue
+        stacks = _indented_file(spec.stack_file(rank))
+        lines.extend(trace)
+        lines.append('  stacks when it was stopped:')
+        lines.extend(stacks or ['    (none: it was still starting)'])
     return '\n'.join(lines)
 
 
 def _indented_file(path: pathlib.Path) -> list[str]:
-    """Return the lines of ``path`` indented, or a placeholder if empty."""
+    """Return the lines of ``path`` indented; none if it is missing."""
     text = path.read_text().strip() if path.exists() else ''
-    if not text:
-        return ['    (nothing written: see the captured stderr)']
-    return ['    ' + line for line in text.split('\n')]
+    return ['    ' + line for line in text.split('\n')] if text else []
 
 
 def _signal_name(code: int | None) -> str:

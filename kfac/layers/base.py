@@ -169,8 +169,10 @@ class KFACBaseLayer(abc.ABC):
         """
         reduce = comm.allreduce_bucketed if bucketed else comm.allreduce
         for factor in self.factors:
-            if factor.value is not None:
-                yield factor, reduce(factor.value, group=group, symmetric=True)
+            value = factor.value
+            if value is None:
+                raise RuntimeError(f'{self}: reduce_factors before update')
+            yield factor, reduce(value, group=group, symmetric=True)
 
     # Decompositions --------------------------------------------------------
 

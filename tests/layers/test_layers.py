@@ -7,6 +7,7 @@ import torch
 from torch import nn
 
 from kfac.base_preconditioner import BaseKFACPreconditioner
+from kfac.distributed import TorchDistributedCommunicator
 from kfac.layers.base import KFACBaseLayer
 from kfac.layers.eigen import KFACEigenLayer
 from kfac.layers.inverse import KFACInverseLayer
@@ -186,3 +187,17 @@ def test_output_without_grad_captures_only_inputs() -> None:
     precon.step()
     assert not precon.layers['0'].has_factors
     assert precon.layers['1'].has_factors
+
+
+def test_factor_update_without_batch_and_reduce_before_update() -> None:
+    layer = KFACEigenLayer(LinearModuleHelper(nn.Linear(2, 2)))
+    assert not layer.a.update(0.9)
+    assert layer.a.value is None
+    with pytest.raises(RuntimeError, match='reduce_factors before update'):
+        list(
+            layer.reduce_factors(
+                TorchDistributedCommunicator(),
+                None,
+                bucketed=False,
+            ),
+        )

@@ -1,0 +1,1 @@
+"""Example training scripts, importable by the smoke tests."""
