@@ -9,6 +9,7 @@ builds all three from a model and keyword arguments.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 from collections.abc import Callable
@@ -34,6 +35,7 @@ from kfac.layers.factor import KroneckerFactor
 from kfac.math import kl_clip_scale
 from kfac.state import load_preconditioner_state
 from kfac.state import preconditioner_state
+from kfac.tracing import PhaseTimer
 
 logger = logging.getLogger(__name__)
 
@@ -118,6 +120,8 @@ class BaseKFACPreconditioner:
         self._decomposed: set[str] = set()
         self._logged: set[tuple[str, str]] = set()
         self._removed = False
+        #: Set a :class:`~kfac.tracing.PhaseTimer` to time the step's phases.
+        self.timer: PhaseTimer | None = None
         self._hooks: list[RemovableHandle] = [
             layer.module.module.register_forward_hook(
                 functools.partial(self._forward_hook, name),
@@ -191,6 +195,10 @@ class BaseKFACPreconditioner:
 
     # Hooks --------------------------------------------------------------
 
+    def _phase(self, name: str) -> contextlib.AbstractContextManager[None]:
+        timer = self.timer
+        return contextlib.nullcontext() if timer is None else timer.phase(name)
+
     def _log_once(self, key: str, name: str, msg: str, *args: object) -> None:
         if (key, name) not in self._logged:
             self._logged.add((key, name))
@@ -213,18 +221,21 @@ class BaseKFACPreconditioner:
         if not self._capturing(module):
             return
         layer = self._layers[name]
-        layer.save_layer_input(inputs[0], now=self.update_factors_in_hook)
+        with self._phase('factor_capture'):
+            layer.save_layer_input(inputs[0], now=self.update_factors_in_hook)
         if isinstance(output, torch.Tensor) and output.requires_grad:
             output.register_hook(functools.partial(self._grad_hook, name))
 
     def _grad_hook(self, name: str, grad: torch.Tensor) -> None:
         layer = self._layers[name]
-        layer.save_layer_grad_output(
-            grad,
-            loss_scale=self._current_loss_scale(),
-            accumulation_steps=self.accumulation_steps,
-            now=self.update_factors_in_hook,
-        )
+        scale = self._current_loss_scale()
+        with self._phase('factor_capture'):
+            layer.save_layer_grad_output(
+                grad,
+                loss_scale=scale,
+                accumulation_steps=self.accumulation_steps,
+                now=self.update_factors_in_hook,
+            )
         done = layer.g.captures == self.accumulation_steps
         if self.update_factors_in_hook and done and name not in self._finished:
             self._finish_factors(name, layer)
@@ -263,7 +274,9 @@ class BaseKFACPreconditioner:
     def _finish_factors(self, name: str, layer: KFACBaseLayer) -> None:
         """Running-average update of one layer; start its allreduce."""
         self._finished.add(name)
-        if not layer.update_factors(self._hp().factor_decay):
+        with self._phase('running_average'):
+            updated = layer.update_factors(self._hp().factor_decay)
+        if not updated:
             self._log_once(
                 'no-data',
                 name,
@@ -274,13 +287,14 @@ class BaseKFACPreconditioner:
                 self._steps,
             )
             return
-        self._reductions.extend(
-            layer.reduce_factors(
-                self.communicator,
-                None,
-                bucketed=self.bucketed,
-            ),
-        )
+        with self._phase('factor_allreduce'):
+            self._reductions.extend(
+                layer.reduce_factors(
+                    self.communicator,
+                    None,
+                    bucketed=self.bucketed,
+                ),
+            )
 
     def _update_factors(self) -> None:
         for name, layer in self._layers.items():
@@ -296,9 +310,10 @@ class BaseKFACPreconditioner:
                     name,
                 )
                 layer.reset_batch()
-        self.communicator.flush()
-        for factor, handle in self._reductions:
-            factor.value = handle.wait()
+        with self._phase('factor_allreduce'):
+            self.communicator.flush()
+            for factor, handle in self._reductions:
+                factor.value = handle.wait()
         self._reductions.clear()
         self._finished.clear()
 
@@ -318,13 +333,18 @@ class BaseKFACPreconditioner:
             for name in (self._layers if names is None else names)
             if self._layers[name].has_factors
         ]
-        for name in ready:
-            for f in FACTOR_NAMES:
-                if plan.inv_worker(name, f) == rank:
-                    self._layers[name].compute_decomposition(f, damping)
+        with self._phase('decomposition'):
+            for name in ready:
+                for f in FACTOR_NAMES:
+                    if plan.inv_worker(name, f) == rank:
+                        self._layers[name].compute_decomposition(f, damping)
         self._decomposed.update(ready)
-        if not plan.broadcast_inverses():
-            return
+        if plan.broadcast_inverses():
+            with self._phase('decomposition_broadcast'):
+                self._broadcast_decompositions(ready)
+
+    def _broadcast_decompositions(self, ready: list[str]) -> None:
+        plan = self.assignment
         pending = []
         for name in ready:
             if not plan.is_grad_worker(name):
@@ -349,11 +369,16 @@ class BaseKFACPreconditioner:
             if name in self._decomposed
             and layer.module.weight.grad is not None
         ]
-        for name in active:
-            if plan.is_grad_worker(name):
-                self._layers[name].precondition_grad(damping)
-        if not plan.broadcast_gradients():
-            return
+        with self._phase('precondition'):
+            for name in active:
+                if plan.is_grad_worker(name):
+                    self._layers[name].precondition_grad(damping)
+        if plan.broadcast_gradients():
+            with self._phase('grad_broadcast'):
+                self._broadcast_grads(active)
+
+    def _broadcast_grads(self, active: list[str]) -> None:
+        plan = self.assignment
         handles = [
             (
                 self._layers[name],
@@ -386,13 +411,15 @@ class BaseKFACPreconditioner:
             )
         scale = None
         if hp.kl_clip is not None and layers:
-            vg = [
-                (layer.grad * layer.module.get_grad()).sum()  # type: ignore[operator]  # grads exist here
-                for _, layer in layers
-            ]
-            scale = kl_clip_scale(torch.stack(vg).sum(), hp.lr, hp.kl_clip)
-        for _, layer in layers:
-            layer.write_grad(scale)
+            with self._phase('kl_clip'):
+                vg = [
+                    (layer.grad * layer.module.get_grad()).sum()  # type: ignore[operator]  # grads exist here
+                    for _, layer in layers
+                ]
+                scale = kl_clip_scale(torch.stack(vg).sum(), hp.lr, hp.kl_clip)
+        with self._phase('write_back'):
+            for _, layer in layers:
+                layer.write_grad(scale)
 
     # Housekeeping ----------------------------------------------------------
 

@@ -345,3 +345,29 @@ def test_loss_decreases_for_bfloat16_model_with_float32_factors() -> None:
     assert layer.a.value.dtype == torch.float32
     assert layer.inv_dtype == torch.float32
     assert losses[-1] < losses[0]
+
+
+def test_phase_timer_records_every_local_phase() -> None:
+    from kfac.tracing import PhaseTimer
+
+    model = TinyMLP().double()
+    precon = KFACPreconditioner(model)
+    syncs: list[int] = []
+    precon.timer = PhaseTimer(sync=lambda: syncs.append(1))
+    backward(model)
+    precon.step()
+    timer = precon.timer
+    assert set(timer.seconds) == {
+        'factor_capture',
+        'running_average',
+        'factor_allreduce',
+        'decomposition',
+        'precondition',
+        'kl_clip',
+        'write_back',
+    }
+    assert timer.counts['factor_capture'] == 4  # 2 layers x (A, G)
+    assert all(v >= 0 for v in timer.seconds.values())
+    assert len(syncs) == 2 * sum(timer.counts.values())
+    timer.reset()
+    assert not timer.seconds

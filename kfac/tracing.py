@@ -1,0 +1,61 @@
+"""Wall-clock time of each phase of the K-FAC step, for benchmarks.
+
+Disabled by default (no cost). Enable with
+``preconditioner.timer = PhaseTimer()``; pass ``sync=torch.cuda.synchronize``
+on GPUs so asynchronous kernels are charged to the phase that launched them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections import Counter
+from collections.abc import Callable
+from collections.abc import Iterator
+
+#: Phases of one step, in order.
+PHASES = (
+    'factor_capture',
+    'running_average',
+    'factor_allreduce',
+    'decomposition',
+    'decomposition_broadcast',
+    'precondition',
+    'grad_broadcast',
+    'kl_clip',
+    'write_back',
+)
+
+
+class PhaseTimer:
+    """Accumulates seconds and counts per phase.
+
+    Args:
+        sync: called before and after each timed phase (e.g.
+            ``torch.cuda.synchronize``), or None.
+    """
+
+    def __init__(self, sync: Callable[[], None] | None = None) -> None:
+        self.sync = sync
+        self.seconds: dict[str, float] = {}
+        self.counts: Counter[str] = Counter()
+
+    @contextlib.contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        """Time the enclosed block as phase ``name``."""
+        if self.sync is not None:
+            self.sync()
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            if self.sync is not None:
+                self.sync()
+            elapsed = time.perf_counter() - start
+            self.seconds[name] = self.seconds.get(name, 0.0) + elapsed
+            self.counts[name] += 1
+
+    def reset(self) -> None:
+        """Forget all measurements."""
+        self.seconds.clear()
+        self.counts.clear()
