@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
+from collections import Counter
 from collections.abc import Callable
 from collections.abc import Iterable
 from collections.abc import Mapping
@@ -38,6 +39,20 @@ from kfac.state import preconditioner_state
 from kfac.tracing import PhaseTimer
 
 logger = logging.getLogger(__name__)
+
+
+class KFACDistributedError(RuntimeError):
+    """A K-FAC collective failed (e.g. a peer rank died or timed out)."""
+
+
+def _wait(handle: Handle, what: str) -> torch.Tensor:
+    """``handle.wait()``, naming the K-FAC operation if it fails."""
+    try:
+        return handle.wait()
+    except RuntimeError as err:
+        raise KFACDistributedError(
+            f'K-FAC {what} failed on rank {get_rank()}: {err}',
+        ) from err
 
 
 class _Scaler(Protocol):
@@ -118,6 +133,9 @@ class BaseKFACPreconditioner:
         self._finished: set[str] = set()
         self._reductions: list[tuple[KroneckerFactor, Handle]] = []
         self._decomposed: set[str] = set()
+        self._health: list[tuple[str, torch.Tensor]] = []
+        #: Preconditioner-wide fault counters (see :meth:`metrics`).
+        self.counters: Counter[str] = Counter()
         self._logged: set[tuple[str, str]] = set()
         self._removed = False
         #: Set a :class:`~kfac.tracing.PhaseTimer` to time the step's phases.
@@ -275,8 +293,8 @@ class BaseKFACPreconditioner:
         """Running-average update of one layer; start its allreduce."""
         self._finished.add(name)
         with self._phase('running_average'):
-            updated = layer.update_factors(self._hp().factor_decay)
-        if not updated:
+            finite = layer.update_factors(self._hp().factor_decay)
+        if finite is None:
             self._log_once(
                 'no-data',
                 name,
@@ -287,6 +305,7 @@ class BaseKFACPreconditioner:
                 self._steps,
             )
             return
+        self._health.append((name, finite))
         with self._phase('factor_allreduce'):
             self._reductions.extend(
                 layer.reduce_factors(
@@ -311,11 +330,44 @@ class BaseKFACPreconditioner:
                 )
                 layer.reset_batch()
         with self._phase('factor_allreduce'):
+            bad = self._start_health_reduction()
             self.communicator.flush()
             for factor, handle in self._reductions:
-                factor.value = handle.wait()
+                factor.value = _wait(handle, f'factor {factor.name} allreduce')
+            bad_count = (
+                0 if bad is None else int(_wait(bad, 'health allreduce'))
+            )
+        self._resolve_health(bad_count)
         self._reductions.clear()
         self._finished.clear()
+
+    def _start_health_reduction(self) -> Handle | None:
+        """Start summing the number of non-finite statistics over ranks."""
+        if not self._health:
+            return None
+        flags = torch.stack([~finite for _, finite in self._health])
+        count = flags.sum(dtype=torch.float32).reshape(1)
+        return self.communicator.allreduce(count, average=False)
+
+    def _resolve_health(self, bad_count: int) -> None:
+        """Commit the step's factor updates, or roll all of them back."""
+        updated = [self._layers[name] for name, _ in self._health]
+        self._health.clear()
+        for layer in updated:
+            if bad_count:
+                layer.rollback_factors()
+            else:
+                layer.commit_factors()
+        if bad_count:
+            self.counters['nonfinite_statistics_steps'] += 1
+            logger.warning(
+                'K-FAC: step %d produced non-finite factor statistics (%d '
+                "factor updates on all ranks); this step's statistics were "
+                'discarded (%d such steps so far)',
+                self._steps,
+                bad_count,
+                self.counters['nonfinite_statistics_steps'],
+            )
 
     def _update_decompositions(
         self,
@@ -335,13 +387,31 @@ class BaseKFACPreconditioner:
         ]
         with self._phase('decomposition'):
             for name in ready:
+                layer = self._layers[name]
                 for f in FACTOR_NAMES:
-                    if plan.inv_worker(name, f) == rank:
-                        self._layers[name].compute_decomposition(f, damping)
+                    if plan.inv_worker(name, f) != rank:
+                        continue
+                    if not layer.compute_decomposition(f, damping):
+                        self._log_decomposition_failure(name, layer)
         self._decomposed.update(ready)
         if plan.broadcast_inverses():
             with self._phase('decomposition_broadcast'):
                 self._broadcast_decompositions(ready)
+
+    def _log_decomposition_failure(
+        self,
+        name: str,
+        layer: KFACBaseLayer,
+    ) -> None:
+        self._log_once(
+            'decomposition',
+            name,
+            'K-FAC: decomposing a factor of %s failed in every attempt '
+            '(float64, jitter); the last good decomposition is kept, and '
+            'without one the gradient goes unpreconditioned (counters: %s)',
+            name,
+            dict(layer.counters),
+        )
 
     def _broadcast_decompositions(self, ready: list[str]) -> None:
         plan = self.assignment
@@ -351,15 +421,27 @@ class BaseKFACPreconditioner:
                 continue
             layer = self._layers[name]
             for f in FACTOR_NAMES:
-                parts = layer.broadcast_decomposition(
+                handles = layer.broadcast_decomposition(
                     f,
                     self.communicator,
                     src=plan.inv_worker(name, f),
                     group=plan.factor_group(name, f),
                 )
-                pending += [(layer, f, i, h) for i, h in parts]
-        for layer, f, i, handle in pending:
-            layer.set_decomposition_part(f, i, handle.wait())
+                pending.append((layer, f, handles))
+        received = [
+            (layer, f, tuple(_wait(h, 'decomposition broadcast') for h in hs))
+            for layer, f, hs in pending
+        ]
+        if not received:
+            return
+        flags = torch.stack(
+            [torch.isfinite(t).all() for _, _, ts in received for t in ts],
+        ).tolist()
+        index = 0
+        for layer, f, tensors in received:
+            valid = all(flags[index : index + len(tensors)])
+            index += len(tensors)
+            layer.set_decomposition(f, tensors if valid else None)
 
     def _precondition(self, damping: float) -> None:
         plan = self.assignment
@@ -371,8 +453,17 @@ class BaseKFACPreconditioner:
         ]
         with self._phase('precondition'):
             for name in active:
+                layer = self._layers[name]
                 if plan.is_grad_worker(name):
-                    self._layers[name].precondition_grad(damping)
+                    layer.precondition_grad(damping)
+                    if not layer.has_decomposition:
+                        self._log_once(
+                            'unpreconditioned',
+                            name,
+                            'K-FAC: module %s has no valid decomposition; '
+                            'its raw gradient is used this step',
+                            name,
+                        )
         if plan.broadcast_gradients():
             with self._phase('grad_broadcast'):
                 self._broadcast_grads(active)
@@ -391,35 +482,67 @@ class BaseKFACPreconditioner:
             for name in active
         ]
         for layer, handle in handles:
-            layer.grad = handle.wait()
+            layer.grad = _wait(handle, 'gradient broadcast')
 
     def _apply(self, hp: Resolved) -> None:
-        """KL-clip the preconditioned gradients and write them back."""
+        """KL-clip the preconditioned gradients and write them back.
+
+        A layer whose preconditioned gradient is not finite keeps its
+        original gradient (counted, logged once); one host synchronisation.
+        """
         layers = [
             (name, layer)
             for name, layer in self._layers.items()
             if layer.grad is not None
         ]
-        done = {name for name, _ in layers}
-        for name in (n for n in self._layers if n not in done):
-            self._log_once(
-                'unpreconditioned',
-                name,
-                'K-FAC: the gradient of module %s is not preconditioned '
-                '(no gradient, or no factors yet)',
-                name,
+        if not layers:
+            return
+        with self._phase('kl_clip'):
+            raw = [layer.module.get_grad() for _, layer in layers]
+            vg = torch.stack(
+                [
+                    (layer.grad * v.to(layer.grad.dtype)).sum()  # type: ignore[operator, union-attr]  # both exist here
+                    for (_, layer), v in zip(layers, raw)
+                ],
             )
-        scale = None
-        if hp.kl_clip is not None and layers:
-            with self._phase('kl_clip'):
-                vg = [
-                    (layer.grad * layer.module.get_grad()).sum()  # type: ignore[operator]  # grads exist here
-                    for _, layer in layers
-                ]
-                scale = kl_clip_scale(torch.stack(vg).sum(), hp.lr, hp.kl_clip)
+            finite = torch.isfinite(vg)
+            scale = None
+            if hp.kl_clip is not None:
+                total = torch.where(finite, vg, torch.zeros_like(vg)).sum()
+                scale = kl_clip_scale(total, hp.lr, hp.kl_clip)
+            flags = finite.tolist()
         with self._phase('write_back'):
-            for _, layer in layers:
-                layer.write_grad(scale)
+            for (name, layer), ok in zip(layers, flags):
+                if ok:
+                    layer.write_grad(scale)
+                    continue
+                layer.grad = None
+                layer.counters['nonfinite_gradients'] += 1
+                self._log_once(
+                    'nonfinite-grad',
+                    name,
+                    'K-FAC: the preconditioned gradient of %s is not finite '
+                    'in step %d; its original gradient is left in place',
+                    name,
+                    self._steps,
+                )
+
+    def metrics(self) -> dict[str, Any]:
+        """Fault counters: totals and per layer.
+
+        ``nonfinite_statistics_steps``: factor updates discarded because a
+        statistic was NaN/Inf on some rank. Per layer (and summed):
+        ``decomposition_retries`` (float64 or jitter attempts that
+        succeeded), ``decomposition_failures`` (all attempts failed),
+        ``unpreconditioned_steps`` (raw gradient used for lack of a
+        decomposition) and ``nonfinite_gradients`` (original gradient kept).
+        """
+        totals: Counter[str] = Counter(self.counters)
+        per_layer = {}
+        for name, layer in self._layers.items():
+            totals.update(layer.counters)
+            per_layer[name] = dict(layer.counters)
+        return {**dict(totals), 'layers': per_layer}
 
     # Housekeeping ----------------------------------------------------------
 

@@ -110,9 +110,11 @@ def gram(
 
     """
     rows = rows.to(dtype)
-    out = rows.T @ rows
     if scale != 1.0:
-        out.mul_(scale * scale)
+        # Scale the rows, not the product: the rows of a loss-scaled
+        # gradient squared could overflow before the scale is divided out.
+        rows = rows * scale
+    out: torch.Tensor = rows.T @ rows
     return out
 
 

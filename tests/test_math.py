@@ -159,3 +159,10 @@ def test_kl_clip_scale(
     got = kmath.kl_clip_scale(torch.tensor(vg, dtype=F64), lr, kl)
     assert got.dim() == 0
     assert float(got) == pytest.approx(expected, rel=1e-12)
+
+
+def test_gram_scales_rows_before_the_product() -> None:
+    """A loss-scaled gradient (2**100) squared would overflow float32."""
+    rows = torch.full((4, 2), 2.0**100, dtype=torch.float32)
+    out = kmath.gram(rows, torch.float32, scale=2.0**-100)
+    assert torch.equal(out, torch.full((2, 2), 4.0))

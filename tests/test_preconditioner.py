@@ -198,7 +198,9 @@ def test_multihead_attention_out_proj_is_left_alone(
             precon.step()
             assert torch.equal(model.attn.out_proj.weight.grad, raw)  # type: ignore[arg-type]
     assert precon.layers['embed'].has_factors
-    assert sum('attn.out_proj' in r.getMessage() for r in caplog.records) == 2
+    messages = [r.getMessage() for r in caplog.records]
+    assert sum('attn.out_proj' in m for m in messages) == 1
+    assert any('attn.out_proj did not run' in m for m in messages)
 
 
 def test_remove_detaches_hooks() -> None:

@@ -10,6 +10,8 @@ a :class:`kfac.assignment.WorkAssignment`, never here.
 from __future__ import annotations
 
 import abc
+import math
+from collections import Counter
 from collections.abc import Iterator
 
 import torch
@@ -22,7 +24,17 @@ from kfac.layers.modules import ModuleHelper
 from kfac.math import compute_dtype
 
 FACTOR_NAMES = ('A', 'G')
+#: ``torch.linalg.LinAlgError``: public, but not re-exported in the stubs.
+LinAlgError: type[Exception] = torch.linalg.LinAlgError  # type: ignore[attr-defined]
+#: Relative diagonal jitter of the last decomposition attempt.
+JITTER = 1e-6
 LOSS_REDUCTIONS = ('mean', 'sum')
+
+
+def all_finite(tensors: tuple[torch.Tensor, ...]) -> bool:
+    """Whether every entry of every tensor is finite (one host sync)."""
+    flags = [torch.isfinite(t).all() for t in tensors]
+    return bool(torch.stack(flags).all())
 
 
 class KFACBaseLayer(abc.ABC):
@@ -81,6 +93,10 @@ class KFACBaseLayer(abc.ABC):
         )
         #: The preconditioned gradient of the current step, if any.
         self.grad: torch.Tensor | None = None
+        #: Fault counters: ``decomposition_retries``,
+        #: ``decomposition_failures``, ``unpreconditioned_steps``,
+        #: ``nonfinite_statistics``, ``nonfinite_gradients``.
+        self.counters: Counter[str] = Counter()
 
     def __repr__(self) -> str:
         return f'{type(self).__name__}({self.module.module!r})'
@@ -130,19 +146,30 @@ class KFACBaseLayer(abc.ABC):
         )
         self.g.capture(grad_output, accumulation / loss_scale, now=now)
 
-    def update_factors(self, decay: float) -> bool:
-        """Fold the captured batch into both running averages.
+    def update_factors(self, decay: float) -> torch.Tensor | None:
+        """Fold the captured batch into both running averages, provisionally.
 
         Returns:
-            Whether both factors had a batch (the module ran).
-
+            None if the module did not run (nothing changes), else a 0-d
+            bool tensor: whether both batch statistics were finite. The
+            caller then calls :meth:`commit_factors` or
+            :meth:`rollback_factors`.
         """
         if not (self.a.captures and self.g.captures):
             self.reset_batch()
-            return False
+            return None
+        finite = [factor.update(decay) for factor in self.factors]
+        return torch.logical_and(finite[0], finite[1])  # type: ignore[arg-type]  # both captured
+
+    def commit_factors(self) -> None:
+        """Keep the last :meth:`update_factors`."""
         for factor in self.factors:
-            factor.update(decay)
-        return True
+            factor.commit()
+
+    def rollback_factors(self) -> None:
+        """Undo the last :meth:`update_factors`."""
+        for factor in self.factors:
+            factor.rollback()
 
     def reset_batch(self) -> None:
         """Drop captured data of both factors."""
@@ -176,11 +203,59 @@ class KFACBaseLayer(abc.ABC):
 
     # Decompositions --------------------------------------------------------
 
-    @abc.abstractmethod
-    def compute_decomposition(self, name: str, damping: float) -> None:
+    def compute_decomposition(self, name: str, damping: float) -> bool:
         """Decompose factor ``name``; store it in the factor.
 
-        Only the factor's inverse worker calls this.
+        Only the factor's inverse worker calls this. A decomposition that
+        raises ``torch.linalg.LinAlgError`` or returns a non-finite value is
+        retried in float64, then in float64 with a small jitter
+        (``JITTER · (tr F / n + 1e-30) · I``) added to the factor; if all
+        fail, the last good decomposition is kept (none: the layer's
+        gradient goes unpreconditioned) and the failure is counted.
+
+        Returns:
+            Whether a new decomposition was stored.
+        """
+        value = self.factor(name).value
+        if value is None:
+            raise RuntimeError(f'factor {name} of {self} has no value yet')
+        attempts = [(self.decomposition_dtype, 0.0)]
+        if self.decomposition_dtype != torch.float64:
+            attempts.append((torch.float64, 0.0))
+        attempts.append((torch.float64, JITTER))
+        for attempt, (dtype, jitter) in enumerate(attempts):
+            matrix = value.to(dtype)
+            if jitter:
+                scale = float(torch.diagonal(matrix).mean().abs()) + 1e-30
+                eye = torch.eye(
+                    matrix.shape[0], dtype=dtype, device=self.device
+                )
+                matrix = matrix + jitter * scale * eye
+            try:
+                tensors = self._decompose(name, matrix, dtype, damping)
+            except LinAlgError:
+                continue
+            if all_finite(tensors):
+                self.factor(name).decomposition = tuple(
+                    t.to(self.inv_dtype) for t in tensors
+                )
+                self.counters['decomposition_retries'] += attempt
+                return True
+        self.counters['decomposition_failures'] += 1
+        return False
+
+    @abc.abstractmethod
+    def _decompose(
+        self,
+        name: str,
+        matrix: torch.Tensor,
+        dtype: torch.dtype,
+        damping: float,
+    ) -> tuple[torch.Tensor, ...]:
+        """Decompose ``matrix`` (factor ``name``) computing in ``dtype``.
+
+        Raises:
+            torch.linalg.LinAlgError: the decomposition failed.
         """
 
     @property
@@ -204,38 +279,39 @@ class KFACBaseLayer(abc.ABC):
         *,
         src: int,
         group: ProcessGroup | None,
-    ) -> list[tuple[int, Handle]]:
+    ) -> list[Handle]:
         """Start broadcasting factor ``name``'s decomposition from ``src``.
 
         Every gradient worker of the layer (the ranks of ``group``) must call
-        this. Receivers allocate the tensors; returns ``(index, handle)``
-        pairs that :meth:`set_decomposition_part` consumes.
+        this. Returns one handle per tensor of :meth:`decomposition_layout`;
+        a source without a valid decomposition sends NaNs.
         """
         factor = self.factor(name)
         layout = self.decomposition_layout(name)
         tensors = factor.decomposition
         if tensors is None:
+            # NaN marks "no valid decomposition" for the receivers.
             tensors = tuple(
-                torch.empty(shape, dtype=self.inv_dtype, device=self.device)
+                torch.full(
+                    shape,
+                    math.nan,
+                    dtype=self.inv_dtype,
+                    device=self.device,
+                )
                 for shape, _ in layout
             )
-            factor.decomposition = tensors
         return [
-            (i, comm.broadcast(t, src=src, group=group, symmetric=sym))
-            for i, (t, (_, sym)) in enumerate(zip(tensors, layout))
+            comm.broadcast(t, src=src, group=group, symmetric=sym)
+            for t, (_, sym) in zip(tensors, layout)
         ]
 
-    def set_decomposition_part(
+    def set_decomposition(
         self,
         name: str,
-        index: int,
-        tensor: torch.Tensor,
+        tensors: tuple[torch.Tensor, ...] | None,
     ) -> None:
-        """Store one received decomposition tensor."""
-        factor = self.factor(name)
-        parts = list(factor.decomposition or ())
-        parts[index] = tensor
-        factor.decomposition = tuple(parts)
+        """Store a received decomposition (None: no valid one)."""
+        self.factor(name).decomposition = tensors
 
     @property
     def has_decomposition(self) -> bool:
@@ -263,14 +339,20 @@ class KFACBaseLayer(abc.ABC):
     def precondition_grad(self, damping: float) -> torch.Tensor | None:
         """Compute :attr:`grad` from the module's current gradient.
 
-        Only gradient workers call this, after :meth:`compute_decomposition`
-        or a broadcast gave them both decompositions.
+        Only gradient workers call this. Without both decompositions (every
+        attempt to compute one failed) the raw gradient stands in for the
+        preconditioned one, and the event is counted.
         """
         grad = self.module.get_grad()
         if grad is None:
             self.grad = None
+            return None
+        grad = grad.to(self.inv_dtype)
+        if self.has_decomposition:
+            self.grad = self._precondition(grad, damping)
         else:
-            self.grad = self._precondition(grad.to(self.inv_dtype), damping)
+            self.counters['unpreconditioned_steps'] += 1
+            self.grad = grad
         return self.grad
 
     def broadcast_grad(

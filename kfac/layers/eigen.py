@@ -40,26 +40,25 @@ class KFACEigenLayer(KFACBaseLayer):
         self.prediv_eigenvalues = prediv_eigenvalues
         self._da: torch.Tensor | None = None
 
-    def compute_decomposition(self, name: str, damping: float) -> None:
-        """Eigendecompose factor ``name`` (inverse worker only)."""
-        factor = self.factor(name)
-        if factor.value is None:
-            raise RuntimeError(f'factor {name} of {self} has no value yet')
-        q, d = symmetric_eigh(factor.value, self.decomposition_dtype)
-        q, d = q.to(self.inv_dtype), d.to(self.inv_dtype)
+    def _decompose(
+        self,
+        name: str,
+        matrix: torch.Tensor,
+        dtype: torch.dtype,
+        damping: float,
+    ) -> tuple[torch.Tensor, ...]:
+        q, d = symmetric_eigh(matrix, dtype)
         if not self.prediv_eigenvalues:
-            factor.decomposition = (q, d)
-        elif name == 'A':
-            self._da = d
-            factor.decomposition = (q,)
-        else:
-            if self._da is None:
-                raise RuntimeError(
-                    f'{self}: with compute_eigenvalue_outer_product the A '
-                    'factor must be decomposed on the same rank before G',
-                )
-            outer = eigenvalue_outer_product(d, self._da, damping)
-            factor.decomposition = (q, outer)
+            return (q, d)
+        if name == 'A':
+            self._da = d.to(self.inv_dtype)
+            return (q,)
+        if self._da is None:
+            raise RuntimeError(
+                f'{self}: with compute_eigenvalue_outer_product the A '
+                'factor must be decomposed on the same rank before G',
+            )
+        return (q, eigenvalue_outer_product(d, self._da.to(dtype), damping))
 
     @property
     def decomposition_format(self) -> str:

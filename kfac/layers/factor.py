@@ -47,6 +47,7 @@ class KroneckerFactor:
         self._sum: torch.Tensor | None = None
         self._count = 0
         self._pending: list[tuple[torch.Tensor, float]] = []
+        self._previous: tuple[torch.Tensor | None] | None = None
         #: Number of captures since the last reset.
         self.captures = 0
 
@@ -86,19 +87,38 @@ class KroneckerFactor:
             return None
         return self._sum / self._count
 
-    def update(self, decay: float) -> bool:
+    def update(self, decay: float) -> torch.Tensor | None:
         """Fold the batch into the running average and reset the batch.
 
-        Returns:
-            Whether there was a batch to fold in.
+        The update is provisional until :meth:`commit` or :meth:`rollback`.
+        A batch with a non-finite entry is replaced by zeros before it is
+        folded in, so no NaN or Inf reaches the running factor or any
+        collective; the caller rolls the update back.
 
+        Returns:
+            None if there was no batch, else a 0-d bool tensor (on the
+            factor's device, no host synchronisation): whether the batch
+            was finite.
         """
         batch = self.batch()
         self.reset_batch()
         if batch is None:
-            return False
+            return None
+        finite = torch.isfinite(batch.sum())
+        batch.masked_fill_(~finite, 0.0)
+        self._previous = (self.value,)
         self.value = running_average(self.value, batch.to(self.dtype), decay)
-        return True
+        return finite
+
+    def commit(self) -> None:
+        """Keep the last :meth:`update`."""
+        self._previous = None
+
+    def rollback(self) -> None:
+        """Undo the last :meth:`update` (a non-finite batch somewhere)."""
+        if self._previous is not None:
+            self.value = self._previous[0]
+            self._previous = None
 
     def reset_batch(self) -> None:
         """Drop the batch accumulated so far."""

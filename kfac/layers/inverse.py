@@ -20,17 +20,20 @@ class KFACInverseLayer(KFACBaseLayer):
     factor's inverse can be computed on a different rank.
     """
 
-    def compute_decomposition(self, name: str, damping: float) -> None:
-        """Invert damped factor ``name`` (inverse worker only)."""
+    def _decompose(
+        self,
+        name: str,
+        matrix: torch.Tensor,
+        dtype: torch.dtype,
+        damping: float,
+    ) -> tuple[torch.Tensor, ...]:
         a, g = self.a.value, self.g.value
         if a is None or g is None:
             raise RuntimeError(f'{self} has no factors yet')
         pi = pi_correction(a, g)
         root = math.sqrt(damping)
-        factor = self.factor(name)
-        value, shift = (a, pi * root) if name == 'A' else (g, root / pi)
-        inv = damped_inverse(value, shift, self.decomposition_dtype)
-        factor.decomposition = (inv.to(self.inv_dtype),)
+        shift = pi * root if name == 'A' else root / pi
+        return (damped_inverse(matrix, shift, dtype),)
 
     @property
     def decomposition_format(self) -> str:

@@ -104,14 +104,17 @@ def test_layouts_match_decompositions(prediv: bool) -> None:
     assert inverse.decomposition_layout('G') == (((3, 3), True),)
 
 
-def test_set_decomposition_part_and_clear() -> None:
+def test_set_decomposition_and_clear() -> None:
     layer, _, _ = layer_with_data()
     layer.update_factors(0.9)
-    layer.compute_decomposition('A', 0.1)
-    q = torch.eye(5, dtype=F64)
-    layer.set_decomposition_part('A', 0, q)
+    assert layer.compute_decomposition('A', 0.1)
+    q, d = torch.eye(5, dtype=F64), torch.ones(5, dtype=F64)
+    layer.set_decomposition('A', (q, d))
     assert layer.a.decomposition is not None
     assert layer.a.decomposition[0] is q
+    layer.set_decomposition('A', None)
+    assert layer.a.decomposition is None
+    layer.compute_decomposition('A', 0.1)
     layer.clear_decompositions()
     assert not layer.has_decomposition
 
