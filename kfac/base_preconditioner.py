@@ -29,7 +29,6 @@ from kfac.distributed import TorchDistributedCommunicator
 from kfac.distributed import get_rank
 from kfac.hyperparams import Hyperparameters
 from kfac.hyperparams import Resolved
-from kfac.hyperparams import validate_int
 from kfac.layers.base import FACTOR_NAMES
 from kfac.layers.base import KFACBaseLayer
 from kfac.layers.factor import KroneckerFactor
@@ -37,8 +36,27 @@ from kfac.math import kl_clip_scale
 from kfac.state import load_preconditioner_state
 from kfac.state import preconditioner_state
 from kfac.tracing import PhaseTimer
+from kfac.validation import check_bool
+from kfac.validation import check_instance
+from kfac.validation import validate_int
 
 logger = logging.getLogger(__name__)
+
+
+def _check_layers(layers: object) -> None:
+    if not isinstance(layers, Mapping):
+        raise TypeError(
+            'layers must be a mapping of module names to KFACBaseLayer; got '
+            f'{type(layers).__name__}',
+        )
+    if not layers:
+        raise ValueError('layers must contain at least one layer')
+    for name, layer in layers.items():
+        if not isinstance(name, str) or not isinstance(layer, KFACBaseLayer):
+            raise TypeError(
+                'layers must map str names to KFACBaseLayer instances; got '
+                f'{name!r}: {type(layer).__name__}',
+            )
 
 
 class KFACDistributedError(RuntimeError):
@@ -100,18 +118,35 @@ class BaseKFACPreconditioner:
         bucketed: bool = True,
         loglevel: int = logging.DEBUG,
     ) -> None:
-        if not layers:
-            raise ValueError('layers must contain at least one layer')
+        _check_layers(layers)
+        check_instance(
+            'assignment',
+            assignment,
+            WorkAssignment,
+            'a kfac.assignment.WorkAssignment',
+        )
+        if hyperparameters is not None:
+            check_instance(
+                'hyperparameters',
+                hyperparameters,
+                Hyperparameters,
+                'None or a kfac.hyperparams.Hyperparameters',
+            )
+        if communicator is not None:
+            check_instance(
+                'communicator',
+                communicator,
+                TorchDistributedCommunicator,
+                'None or a kfac.distributed.TorchDistributedCommunicator',
+            )
+        check_bool('bucketed', bucketed)
+        validate_int('loglevel', loglevel, minimum=0)
         self.hyperparameters = hyperparameters or Hyperparameters()
         self.accumulation_steps = validate_int(
             'accumulation_steps',
             accumulation_steps,
         )
-        if not isinstance(update_factors_in_hook, bool):
-            raise TypeError(
-                'update_factors_in_hook must be a bool; got '
-                f'{update_factors_in_hook!r}',
-            )
+        check_bool('update_factors_in_hook', update_factors_in_hook)
         if not (grad_scaler is None or callable(grad_scaler)) and not hasattr(
             grad_scaler,
             'get_scale',
@@ -206,6 +241,13 @@ class BaseKFACPreconditioner:
 
     def set_hyperparameters(self, **values: Any) -> None:
         """Replace hyperparameters (validated), e.g. from a scheduler."""
+        allowed = Hyperparameters.__dataclass_fields__
+        unknown = sorted(set(values) - set(allowed))
+        if unknown:
+            raise ValueError(
+                f'unknown hyperparameters {unknown}; allowed: '
+                f'{", ".join(allowed)}',
+            )
         self.hyperparameters = Hyperparameters(
             **{**self.hyperparameters.__dict__, **values},
         )
@@ -581,6 +623,7 @@ class BaseKFACPreconditioner:
         self, include_decompositions: bool = True
     ) -> dict[str, Any]:
         """The preconditioner's state (see :mod:`kfac.state`)."""
+        check_bool('include_decompositions', include_decompositions)
         return preconditioner_state(self, include_decompositions)
 
     def load_state_dict(
@@ -589,4 +632,5 @@ class BaseKFACPreconditioner:
         strict: bool = True,
     ) -> None:
         """Load :meth:`state_dict` output (see :mod:`kfac.state`)."""
+        check_bool('strict', strict)
         load_preconditioner_state(self, state_dict, strict=strict)

@@ -9,9 +9,11 @@ each step it is used.
 from __future__ import annotations
 
 import dataclasses
-import math
 from collections.abc import Callable
 from typing import Any
+
+from kfac.validation import validate_float
+from kfac.validation import validate_int
 
 IntParam = int | Callable[[int], int]
 FloatParam = float | Callable[[int], float]
@@ -24,48 +26,6 @@ __all__ = [
     'validate_float',
     'validate_int',
 ]
-
-
-def validate_int(name: str, value: object, minimum: int = 1) -> int:
-    """Return ``value`` if it is an ``int >= minimum`` (not a bool)."""
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(
-            f'{name} must be an int >= {minimum} or a callable of the step; '
-            f'got {value!r} of type {type(value).__name__}',
-        )
-    if value < minimum:
-        raise ValueError(f'{name} must be >= {minimum}; got {value!r}')
-    return value
-
-
-def validate_float(
-    name: str,
-    value: object,
-    *,
-    low: float,
-    high: float = math.inf,
-    low_open: bool = True,
-) -> float:
-    """Return ``value`` as a float if it is a real number in the range.
-
-    The range is ``(low, high]`` (``low_open``) or ``[low, high]``; values
-    must be finite.
-    """
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise TypeError(
-            f'{name} must be a real number or a callable of the step; got '
-            f'{value!r} of type {type(value).__name__}',
-        )
-    result = float(value)
-    above = result > low if low_open else result >= low
-    if not (above and result <= high and math.isfinite(result)):
-        allowed = f'> {low}' if low_open else f'>= {low}'
-        if high < math.inf:
-            allowed += f' and <= {high}'
-        raise ValueError(
-            f'{name} must be a finite number {allowed}; got {value!r}',
-        )
-    return result
 
 
 @dataclasses.dataclass(frozen=True)

@@ -22,8 +22,6 @@ from kfac.enums import ComputeMethod
 from kfac.enums import DistributedStrategy
 from kfac.enums import parse_enum
 from kfac.hyperparams import Hyperparameters
-from kfac.hyperparams import validate_float
-from kfac.hyperparams import validate_int
 from kfac.layers.base import LOSS_REDUCTIONS
 from kfac.layers.base import KFACBaseLayer
 from kfac.layers.eigen import KFACEigenLayer
@@ -31,26 +29,14 @@ from kfac.layers.inverse import KFACInverseLayer
 from kfac.layers.modules import ModuleHelper
 from kfac.layers.register import compile_patterns
 from kfac.layers.register import register_modules
+from kfac.validation import check_bool
+from kfac.validation import check_dtype
+from kfac.validation import validate_float
+from kfac.validation import validate_int
 
 logger = logging.getLogger(__name__)
 
 FractionLike = float | DistributedStrategy | str
-
-
-def _check_bool(name: str, value: object) -> bool:
-    if not isinstance(value, bool):
-        raise TypeError(f'{name} must be a bool; got {value!r}')
-    return value
-
-
-def _check_dtype(name: str, value: object) -> torch.dtype | None:
-    if value is None:
-        return None
-    if not (isinstance(value, torch.dtype) and value.is_floating_point):
-        raise TypeError(
-            f'{name} must be None or a floating torch.dtype; got {value!r}',
-        )
-    return value
 
 
 def _check_fraction(value: object) -> float | DistributedStrategy:
@@ -106,8 +92,8 @@ class KFACConfig:
                 'compute_method',
             ),
             'grad_worker_fraction': _check_fraction(self.grad_worker_fraction),
-            'factor_dtype': _check_dtype('factor_dtype', self.factor_dtype),
-            'inv_dtype': _check_dtype('inv_dtype', self.inv_dtype),
+            'factor_dtype': check_dtype('factor_dtype', self.factor_dtype),
+            'inv_dtype': check_dtype('inv_dtype', self.inv_dtype),
             'skip_layers': tuple(compile_patterns(self.skip_layers)),
             'loglevel': validate_int('loglevel', self.loglevel, minimum=0),
         }
@@ -117,7 +103,7 @@ class KFACConfig:
             'symmetry_aware',
             'update_factors_in_hook',
         ):
-            checked[name] = _check_bool(name, getattr(self, name))
+            checked[name] = check_bool(name, getattr(self, name))
         if self.loss_reduction not in LOSS_REDUCTIONS:
             raise ValueError(
                 f'loss_reduction must be one of {LOSS_REDUCTIONS}; got '

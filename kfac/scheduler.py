@@ -6,6 +6,8 @@ from collections.abc import Callable
 from typing import Any
 
 from kfac.base_preconditioner import BaseKFACPreconditioner
+from kfac.validation import check_instance
+from kfac.validation import validate_int
 
 _INT_PARAMS = ('factor_update_steps', 'inv_update_steps')
 _PARAMS = (*_INT_PARAMS, 'damping', 'factor_decay', 'kl_clip', 'lr')
@@ -64,6 +66,12 @@ class LambdaParamScheduler:
                 ),
             ),
         )
+        check_instance(
+            'preconditioner',
+            preconditioner,
+            BaseKFACPreconditioner,
+            'a BaseKFACPreconditioner',
+        )
         self.preconditioner = preconditioner
         self.lambdas: dict[str, Callable[[int], float]] = {}
         self.base_values: dict[str, float] = {}
@@ -96,6 +104,8 @@ class LambdaParamScheduler:
 
     def step(self, step: int | None = None) -> None:
         """Advance to ``step`` (default: the next step) and apply."""
+        if step is not None:
+            validate_int('step', step, minimum=0)
         self.last_step = self.last_step + 1 if step is None else step
         self._apply()
 
@@ -105,6 +115,10 @@ class LambdaParamScheduler:
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restore :meth:`state_dict` output and apply it."""
+        check_instance('state_dict', state_dict, dict, 'a dict')
+        for key in ('last_step', 'base_values'):
+            if key not in state_dict:
+                raise ValueError(f'state_dict is missing the entry {key!r}')
         unknown = set(state_dict['base_values']) - set(self.lambdas)
         if unknown:
             raise ValueError(

@@ -36,6 +36,8 @@ class PhaseTimer:
     """
 
     def __init__(self, sync: Callable[[], None] | None = None) -> None:
+        if sync is not None and not callable(sync):
+            raise TypeError(f'sync must be None or callable; got {sync!r}')
         self.sync = sync
         self.seconds: dict[str, float] = {}
         self.counts: Counter[str] = Counter()

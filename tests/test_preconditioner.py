@@ -373,3 +373,24 @@ def test_phase_timer_records_every_local_phase() -> None:
     assert len(syncs) == 2 * sum(timer.counts.values())
     timer.reset()
     assert not timer.seconds
+
+
+def test_deprecated_cuda_grad_scaler_is_accepted() -> None:
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter('ignore')  # deprecated; disabled without CUDA
+        scaler = torch.cuda.amp.GradScaler()
+    model = TinyMLP().double()
+    twin = copy.deepcopy(model)
+    scaled = KFACPreconditioner(model, grad_scaler=scaler)
+    plain = KFACPreconditioner(twin)
+    backward(model)
+    backward(twin)
+    scaled.step()
+    plain.step()
+    for name, layer in plain.layers.items():
+        g = scaled.layers[name].g.value
+        assert g is not None
+        assert layer.g.value is not None
+        assert torch.equal(g, layer.g.value)

@@ -2,16 +2,27 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import pytest
 import torch
 from torch import nn
 
+from kfac.assignment import KAISAAssignment
+from kfac.base_preconditioner import BaseKFACPreconditioner
+from kfac.distributed import TorchDistributedCommunicator
 from kfac.enums import ComputeMethod
 from kfac.enums import DistributedStrategy
+from kfac.hyperparams import exp_decay_factor_averaging
+from kfac.layers.eigen import KFACEigenLayer
+from kfac.layers.inverse import KFACInverseLayer
+from kfac.layers.modules import LinearModuleHelper
+from kfac.layers.register import register_modules
 from kfac.preconditioner import KFACConfig
 from kfac.preconditioner import KFACPreconditioner
+from kfac.scheduler import LambdaParamScheduler
+from kfac.tracing import PhaseTimer
 from testing.models import TinyMLP
 
 # (keyword arguments, exception type, text the message must contain)
@@ -209,3 +220,221 @@ def test_valid_dtypes_are_used() -> None:
     layer = precon.layers['fc1']
     assert layer.factor_dtype == torch.float64
     assert layer.inv_dtype == torch.float64
+
+
+def _any(value: object) -> Any:
+    """An invalid argument, typed so that mypy lets the test pass it."""
+    return value
+
+
+def _layers() -> dict[str, Any]:
+    return dict(KFACPreconditioner(TinyMLP()).layers)
+
+
+def _assignment() -> Any:
+    return KFACPreconditioner(TinyMLP()).assignment
+
+
+BOUNDARIES: list[tuple[str, Callable[[], object], type[Exception], str]] = [
+    (
+        'BaseKFACPreconditioner layers type',
+        lambda: BaseKFACPreconditioner(_any([1]), assignment=_assignment()),
+        TypeError,
+        'layers must be a mapping',
+    ),
+    (
+        'BaseKFACPreconditioner layers empty',
+        lambda: BaseKFACPreconditioner({}, assignment=_assignment()),
+        ValueError,
+        'at least one layer',
+    ),
+    (
+        'BaseKFACPreconditioner layers values',
+        lambda: BaseKFACPreconditioner(
+            _any({'a': 1}), assignment=_assignment()
+        ),
+        TypeError,
+        'KFACBaseLayer instances',
+    ),
+    (
+        'BaseKFACPreconditioner assignment',
+        lambda: BaseKFACPreconditioner(_layers(), assignment=_any(None)),
+        TypeError,
+        'assignment must be a kfac.assignment.WorkAssignment',
+    ),
+    (
+        'BaseKFACPreconditioner hyperparameters',
+        lambda: BaseKFACPreconditioner(
+            _layers(), assignment=_assignment(), hyperparameters=_any({})
+        ),
+        TypeError,
+        'hyperparameters must be None or',
+    ),
+    (
+        'BaseKFACPreconditioner communicator',
+        lambda: BaseKFACPreconditioner(
+            _layers(), assignment=_assignment(), communicator=_any(1)
+        ),
+        TypeError,
+        'communicator must be None or',
+    ),
+    (
+        'BaseKFACPreconditioner bucketed',
+        lambda: BaseKFACPreconditioner(
+            _layers(), assignment=_assignment(), bucketed=_any(1)
+        ),
+        TypeError,
+        'bucketed must be a bool',
+    ),
+    (
+        'BaseKFACPreconditioner loglevel',
+        lambda: BaseKFACPreconditioner(
+            _layers(), assignment=_assignment(), loglevel=-5
+        ),
+        ValueError,
+        'loglevel must be >= 0',
+    ),
+    (
+        'state_dict include_decompositions',
+        lambda: KFACPreconditioner(TinyMLP()).state_dict(_any('yes')),
+        TypeError,
+        'include_decompositions must be a bool',
+    ),
+    (
+        'load_state_dict strict',
+        lambda: KFACPreconditioner(TinyMLP()).load_state_dict(
+            {}, strict=_any(None)
+        ),
+        TypeError,
+        'strict must be a bool',
+    ),
+    (
+        'set_hyperparameters unknown',
+        lambda: KFACPreconditioner(TinyMLP()).set_hyperparameters(dampin=1.0),
+        ValueError,
+        "unknown hyperparameters ['dampin']",
+    ),
+    (
+        'set_hyperparameters invalid',
+        lambda: KFACPreconditioner(TinyMLP()).set_hyperparameters(
+            damping=-1.0
+        ),
+        ValueError,
+        'damping must be a finite number > 0',
+    ),
+    (
+        'layer module',
+        lambda: KFACEigenLayer(_any(nn.Linear(2, 2))),
+        TypeError,
+        'module must be a kfac.layers.modules.ModuleHelper',
+    ),
+    (
+        'layer factor_dtype',
+        lambda: KFACInverseLayer(
+            LinearModuleHelper(nn.Linear(2, 2)), factor_dtype=torch.int64
+        ),
+        TypeError,
+        'factor_dtype must be None or a floating torch.dtype',
+    ),
+    (
+        'layer inv_dtype',
+        lambda: KFACInverseLayer(
+            LinearModuleHelper(nn.Linear(2, 2)), inv_dtype=_any('float')
+        ),
+        TypeError,
+        'inv_dtype must be None',
+    ),
+    (
+        'layer prediv_eigenvalues',
+        lambda: KFACEigenLayer(
+            LinearModuleHelper(nn.Linear(2, 2)), prediv_eigenvalues=_any(1)
+        ),
+        TypeError,
+        'prediv_eigenvalues must be a bool',
+    ),
+    (
+        'helper module',
+        lambda: LinearModuleHelper(nn.ReLU()),
+        TypeError,
+        'module must be a torch.nn.Module with a weight tensor',
+    ),
+    (
+        'register_modules model',
+        lambda: register_modules(_any('model')),
+        TypeError,
+        'model must be a torch.nn.Module',
+    ),
+    (
+        'PhaseTimer sync',
+        lambda: PhaseTimer(sync=_any(3)),
+        TypeError,
+        'sync must be None or callable',
+    ),
+    (
+        'scheduler preconditioner',
+        lambda: LambdaParamScheduler(_any(None)),
+        TypeError,
+        'preconditioner must be a BaseKFACPreconditioner',
+    ),
+    (
+        'scheduler step',
+        lambda: LambdaParamScheduler(KFACPreconditioner(TinyMLP())).step(-1),
+        ValueError,
+        'step must be >= 0',
+    ),
+    (
+        'scheduler state type',
+        lambda: LambdaParamScheduler(
+            KFACPreconditioner(TinyMLP())
+        ).load_state_dict(_any([])),
+        TypeError,
+        'state_dict must be a dict',
+    ),
+    (
+        'scheduler state entries',
+        lambda: LambdaParamScheduler(
+            KFACPreconditioner(TinyMLP())
+        ).load_state_dict({}),
+        ValueError,
+        "missing the entry 'last_step'",
+    ),
+    (
+        'exp_decay min_value',
+        lambda: exp_decay_factor_averaging(0.0),
+        ValueError,
+        'min_value must be a finite number > 0.0 and <= 1.0',
+    ),
+    (
+        'communicator bucket cap',
+        lambda: TorchDistributedCommunicator(bucket_cap_mb=-1.0),
+        ValueError,
+        'allreduce_bucket_cap_mb',
+    ),
+    (
+        'KAISAAssignment fraction',
+        lambda: KAISAAssignment(
+            {'l': {'A': 1.0, 'G': 1.0}},
+            local_rank=0,
+            world_size=4,
+            grad_worker_fraction=0.3,
+        ),
+        ValueError,
+        'grad_worker_fraction',
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    ('label', 'call', 'error', 'match'),
+    BOUNDARIES,
+    ids=[b[0] for b in BOUNDARIES],
+)
+def test_public_boundary_rejects_bad_input(
+    label: str,
+    call: Callable[[], object],
+    error: type[Exception],
+    match: str,
+) -> None:
+    with pytest.raises(error) as info:
+        call()
+    assert match in str(info.value), label

@@ -22,6 +22,8 @@ from kfac.distributed import TorchDistributedCommunicator
 from kfac.layers.factor import KroneckerFactor
 from kfac.layers.modules import ModuleHelper
 from kfac.math import compute_dtype
+from kfac.validation import check_dtype
+from kfac.validation import check_instance
 
 FACTOR_NAMES = ('A', 'G')
 #: ``torch.linalg.LinAlgError``: public, but not re-exported in the stubs.
@@ -62,6 +64,14 @@ class KFACBaseLayer(abc.ABC):
         inv_dtype: torch.dtype | None = None,
         loss_reduction: str = 'mean',
     ) -> None:
+        check_instance(
+            'module',
+            module,
+            ModuleHelper,
+            'a kfac.layers.modules.ModuleHelper',
+        )
+        check_dtype('factor_dtype', factor_dtype)
+        check_dtype('inv_dtype', inv_dtype)
         if loss_reduction not in LOSS_REDUCTIONS:
             raise ValueError(
                 f'loss_reduction must be one of {LOSS_REDUCTIONS}; got '

@@ -11,6 +11,7 @@ from kfac.layers.modules import ModuleHelper
 from kfac.math import eigen_precondition
 from kfac.math import eigenvalue_outer_product
 from kfac.math import symmetric_eigh
+from kfac.validation import check_bool
 
 
 class KFACEigenLayer(KFACBaseLayer):
@@ -37,7 +38,10 @@ class KFACEigenLayer(KFACBaseLayer):
         **kwargs: Any,
     ) -> None:
         super().__init__(module, **kwargs)
-        self.prediv_eigenvalues = prediv_eigenvalues
+        self.prediv_eigenvalues = check_bool(
+            'prediv_eigenvalues',
+            prediv_eigenvalues,
+        )
         self._da: torch.Tensor | None = None
 
     def _decompose(

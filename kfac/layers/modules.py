@@ -26,6 +26,14 @@ class ModuleHelper(abc.ABC):
     module: nn.Module
 
     def __init__(self, module: nn.Module) -> None:
+        if not isinstance(module, nn.Module) or not isinstance(
+            getattr(module, 'weight', None),
+            torch.Tensor,
+        ):
+            raise TypeError(
+                f'module must be a torch.nn.Module with a weight tensor; got '
+                f'{module!r}',
+            )
         self.module = module
 
     def __repr__(self) -> str:

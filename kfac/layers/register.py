@@ -103,6 +103,10 @@ def register_modules(
         pattern skips.
 
     """
+    if not isinstance(model, nn.Module):
+        raise TypeError(
+            f'model must be a torch.nn.Module; got {type(model).__name__}',
+        )
     patterns = compile_patterns(skip_layers)
     return dict(_iter_modules(model, patterns))
 
