@@ -27,6 +27,10 @@ from kfac.assignment import WorkAssignment
 from kfac.distributed import Handle
 from kfac.distributed import TorchDistributedCommunicator
 from kfac.distributed import get_rank
+from kfac.exchange import broadcast_decompositions
+from kfac.exchange import broadcast_grads
+from kfac.exchange import start_health_reduction
+from kfac.exchange import wait
 from kfac.hyperparams import Hyperparameters
 from kfac.hyperparams import Resolved
 from kfac.layers.base import FACTOR_NAMES
@@ -57,20 +61,6 @@ def _check_layers(layers: object) -> None:
                 'layers must map str names to KFACBaseLayer instances; got '
                 f'{name!r}: {type(layer).__name__}',
             )
-
-
-class KFACDistributedError(RuntimeError):
-    """A K-FAC collective failed (e.g. a peer rank died or timed out)."""
-
-
-def _wait(handle: Handle, what: str) -> torch.Tensor:
-    """``handle.wait()``, naming the K-FAC operation if it fails."""
-    try:
-        return handle.wait()
-    except RuntimeError as err:
-        raise KFACDistributedError(
-            f'K-FAC {what} failed on rank {get_rank()}: {err}',
-        ) from err
 
 
 class _Scaler(Protocol):
@@ -372,24 +362,19 @@ class BaseKFACPreconditioner:
                 )
                 layer.reset_batch()
         with self._phase('factor_allreduce'):
-            bad = self._start_health_reduction()
+            bad = start_health_reduction(
+                self.communicator,
+                [finite for _, finite in self._health],
+            )
             self.communicator.flush()
             for factor, handle in self._reductions:
-                factor.value = _wait(handle, f'factor {factor.name} allreduce')
+                factor.value = wait(handle, f'factor {factor.name} allreduce')
             bad_count = (
-                0 if bad is None else int(_wait(bad, 'health allreduce'))
+                0 if bad is None else int(wait(bad, 'health allreduce'))
             )
         self._resolve_health(bad_count)
         self._reductions.clear()
         self._finished.clear()
-
-    def _start_health_reduction(self) -> Handle | None:
-        """Start summing the number of non-finite statistics over ranks."""
-        if not self._health:
-            return None
-        flags = torch.stack([~finite for _, finite in self._health])
-        count = flags.sum(dtype=torch.float32).reshape(1)
-        return self.communicator.allreduce(count, average=False)
 
     def _resolve_health(self, bad_count: int) -> None:
         """Commit the step's factor updates, or roll all of them back."""
@@ -438,7 +423,11 @@ class BaseKFACPreconditioner:
         self._decomposed.update(ready)
         if plan.broadcast_inverses():
             with self._phase('decomposition_broadcast'):
-                self._broadcast_decompositions(ready)
+                broadcast_decompositions(
+                    self.communicator,
+                    self.assignment,
+                    {name: self._layers[name] for name in ready},
+                )
 
     def _log_decomposition_failure(
         self,
@@ -454,36 +443,6 @@ class BaseKFACPreconditioner:
             name,
             dict(layer.counters),
         )
-
-    def _broadcast_decompositions(self, ready: list[str]) -> None:
-        plan = self.assignment
-        pending = []
-        for name in ready:
-            if not plan.is_grad_worker(name):
-                continue
-            layer = self._layers[name]
-            for f in FACTOR_NAMES:
-                handles = layer.broadcast_decomposition(
-                    f,
-                    self.communicator,
-                    src=plan.inv_worker(name, f),
-                    group=plan.factor_group(name, f),
-                )
-                pending.append((layer, f, handles))
-        received = [
-            (layer, f, tuple(_wait(h, 'decomposition broadcast') for h in hs))
-            for layer, f, hs in pending
-        ]
-        if not received:
-            return
-        flags = torch.stack(
-            [torch.isfinite(t).all() for _, _, ts in received for t in ts],
-        ).tolist()
-        index = 0
-        for layer, f, tensors in received:
-            valid = all(flags[index : index + len(tensors)])
-            index += len(tensors)
-            layer.set_decomposition(f, tensors if valid else None)
 
     def _precondition(self, damping: float) -> None:
         plan = self.assignment
@@ -508,23 +467,11 @@ class BaseKFACPreconditioner:
                         )
         if plan.broadcast_gradients():
             with self._phase('grad_broadcast'):
-                self._broadcast_grads(active)
-
-    def _broadcast_grads(self, active: list[str]) -> None:
-        plan = self.assignment
-        handles = [
-            (
-                self._layers[name],
-                self._layers[name].broadcast_grad(
+                broadcast_grads(
                     self.communicator,
-                    src=plan.src_grad_worker(name),
-                    group=plan.grad_receiver_group(name),
-                ),
-            )
-            for name in active
-        ]
-        for layer, handle in handles:
-            layer.grad = _wait(handle, 'gradient broadcast')
+                    self.assignment,
+                    {name: self._layers[name] for name in active},
+                )
 
     def _apply(self, hp: Resolved) -> None:
         """KL-clip the preconditioned gradients and write them back.
