@@ -41,38 +41,36 @@ STRATEGIES = {
 
 
 def configurations(world_size: int) -> list[dict[str, Any]]:
-    """Every strategy x method; the bucketing and packing toggles covered
-    pairwise (all four combinations across the two methods).
-    """
+    """Every valid strategy x method x bucketing x symmetry-aware packing."""
     fractions = valid_grad_worker_fractions(world_size)
-    toggles = {
-        'eigen': [(25.0, False), (0.0, True)],
-        'inverse': [(25.0, True), (0.0, False)],
-    }
     configs = []
-    for strategy, method in itertools.product(STRATEGIES, toggles):
+    for strategy, method, cap, symmetric in itertools.product(
+        STRATEGIES,
+        ('eigen', 'inverse'),
+        (25.0, 0.0),
+        (False, True),
+    ):
         if (
             strategy == 'hybrid_opt'
             and world_size > 1
             and 0.5 not in fractions
         ):
             continue  # HYBRID-OPT needs an even world size
-        for cap, symmetric in toggles[method]:
-            configs.append(
-                {
-                    'grad_worker_fraction': strategy,
-                    'compute_method': method,
-                    'allreduce_bucket_cap_mb': cap,
-                    'symmetry_aware': symmetric,
-                    # exercise intervals and non-colocated inverses too
-                    'factor_update_steps': 1,
-                    'inv_update_steps': 2,
-                    'colocate_factors': method == 'eigen',
-                    'damping': 0.01,
-                    'kl_clip': 0.01,
-                    'lr': 0.1,
-                },
-            )
+        configs.append(
+            {
+                'grad_worker_fraction': strategy,
+                'compute_method': method,
+                'allreduce_bucket_cap_mb': cap,
+                'symmetry_aware': symmetric,
+                # exercise intervals and non-colocated inverses too
+                'factor_update_steps': 1,
+                'inv_update_steps': 2,
+                'colocate_factors': method == 'eigen',
+                'damping': 0.01,
+                'kl_clip': 0.01,
+                'lr': 0.1,
+            },
+        )
     return configs
 
 
