@@ -18,6 +18,7 @@ from collections.abc import Iterable
 from collections.abc import Mapping
 from typing import Any
 from typing import Protocol
+from typing import cast
 
 import torch
 from torch import nn
@@ -61,6 +62,21 @@ def _check_layers(layers: object) -> None:
                 'layers must map str names to KFACBaseLayer instances; got '
                 f'{name!r}: {type(layer).__name__}',
             )
+
+
+def _grad_dot(layer: KFACBaseLayer) -> torch.Tensor:
+    """``Σ V' ⊙ V`` of a layer whose preconditioned gradient is set."""
+    grad = cast(torch.Tensor, layer.grad)
+    # A gradient receiver has not read V yet.
+    raw = (
+        layer.raw_grad
+        if layer.raw_grad is not None
+        else layer.module.get_grad()
+    )
+    return torch.vdot(
+        grad.reshape(-1),
+        cast(torch.Tensor, raw).to(grad.dtype).reshape(-1),
+    )
 
 
 class _Scaler(Protocol):
@@ -487,13 +503,7 @@ class BaseKFACPreconditioner:
         if not layers:
             return
         with self._phase('kl_clip'):
-            raw = [layer.module.get_grad() for _, layer in layers]
-            vg = torch.stack(
-                [
-                    (layer.grad * v.to(layer.grad.dtype)).sum()  # type: ignore[operator, union-attr]  # both exist here
-                    for (_, layer), v in zip(layers, raw)
-                ],
-            )
+            vg = torch.stack([_grad_dot(layer) for _, layer in layers])
             finite = torch.isfinite(vg)
             scale = None
             if hp.kl_clip is not None:
@@ -505,7 +515,7 @@ class BaseKFACPreconditioner:
                 if ok:
                     layer.write_grad(scale)
                     continue
-                layer.grad = None
+                layer.grad = layer.raw_grad = None
                 layer.counters['nonfinite_gradients'] += 1
                 self._log_once(
                     'nonfinite-grad',

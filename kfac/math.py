@@ -122,19 +122,21 @@ def running_average(
     current: torch.Tensor | None,
     batch: torch.Tensor,
     decay: float,
+    scale: float = 1.0,
 ) -> torch.Tensor:
-    """Return ``decay · current + (1 - decay) · batch`` (or ``batch``).
+    """Return ``decay · current + (1 - decay) · scale · batch``.
 
-    The first update (``current is None``) returns ``batch`` itself: no
-    identity bias is mixed in. The result has ``current``'s dtype when there
-    is one.
+    Computed in ``batch``'s memory (``batch`` is overwritten and returned,
+    in its own dtype): no new matrix per update. The first update
+    (``current is None``) returns ``scale · batch``: no identity bias is
+    mixed in. ``decay == 1`` returns ``current`` unchanged.
     """
     if current is None:
-        return batch
-    batch = batch.to(current.dtype)
+        return batch if scale == 1.0 else batch.mul_(scale)
     if decay == 1.0:
         return current
-    return current.mul(decay).add_(batch, alpha=1.0 - decay)
+    batch.mul_((1.0 - decay) * scale)
+    return batch.add_(current.to(batch.dtype), alpha=decay)
 
 
 def symmetric_eigh(
@@ -208,18 +210,29 @@ def damped_inverse(
     shift: float,
     dtype: torch.dtype,
 ) -> torch.Tensor:
-    """Return ``(F + shift · I)⁻¹`` computed in ``dtype``, exactly symmetric.
+    """Return ``(F + shift · I)⁻¹`` computed in ``dtype``, symmetric.
+
+    Uses the Cholesky factorisation of the (positive definite) damped
+    factor; ``cholesky_inverse`` returns an exactly symmetric matrix.
 
     Args:
         factor: ``(n, n)`` symmetric positive semi-definite matrix.
         shift: positive diagonal shift.
         dtype: the dtype to compute in.
 
+    Raises:
+        torch.linalg.LinAlgError: the damped factor is not positive
+            definite (or not finite).
     """
-    f = factor.to(dtype)
-    damped = f + shift * torch.eye(f.shape[0], dtype=dtype, device=f.device)
-    inv: torch.Tensor = torch.linalg.inv(damped)
-    return inv.add_(inv.T.clone()).mul_(0.5)
+    damped = factor.to(dtype=dtype, copy=True)
+    damped.diagonal().add_(shift)
+    lower, info = torch.linalg.cholesky_ex(damped)
+    if int(info) != 0:
+        raise torch.linalg.LinAlgError(  # type: ignore[attr-defined]
+            f'damped factor is not positive definite (info={int(info)})',
+        )
+    inv: torch.Tensor = torch.cholesky_inverse(lower)
+    return inv
 
 
 def inverse_precondition(

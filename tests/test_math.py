@@ -54,21 +54,24 @@ def test_gram_is_scaled_sum_of_outer_products() -> None:
 
 def test_running_average() -> None:
     batch1, batch2 = random_psd(3, 1), random_psd(3, 2)
-    first = kmath.running_average(None, batch1, 0.9)
-    assert first is batch1
-    second = kmath.running_average(first, batch2, 0.9)
-    assert_rel_close(second, 0.9 * batch1 + 0.1 * batch2, label='math.avg')
-    assert kmath.running_average(first, batch2, 1.0) is first
+    expected = 0.9 * batch1 + 0.1 * batch2
+    first = kmath.running_average(None, batch1.clone(), 0.9)
+    assert torch.equal(first, batch1)
+    buffer = batch2.clone()
+    second = kmath.running_average(first, buffer, 0.9)
+    assert second is buffer  # computed in the batch's memory
+    assert_rel_close(second, expected, label='math.avg')
+    assert kmath.running_average(first, batch2.clone(), 1.0) is first
 
 
-def test_running_average_keeps_current_dtype() -> None:
-    out = kmath.running_average(
-        torch.ones(2, 2, dtype=torch.float32),
-        torch.zeros(2, 2, dtype=torch.float64),
-        0.5,
-    )
-    assert out.dtype == torch.float32
-    assert torch.equal(out, torch.full((2, 2), 0.5, dtype=torch.float32))
+def test_running_average_scales_the_batch_sum() -> None:
+    total = torch.full((2, 2), 6.0, dtype=torch.float32)
+    first = kmath.running_average(None, total.clone(), 0.5, scale=1 / 3)
+    assert torch.equal(first, torch.full((2, 2), 2.0))
+    current = torch.ones(2, 2, dtype=torch.float64)
+    out = kmath.running_average(current, total, 0.5, scale=1 / 3)
+    assert out.dtype == torch.float32  # the batch's dtype
+    assert torch.equal(out, torch.full((2, 2), 1.5))
 
 
 def test_symmetric_eigh_reconstructs_and_clamps() -> None:
@@ -166,3 +169,14 @@ def test_gram_scales_rows_before_the_product() -> None:
     rows = torch.full((4, 2), 2.0**100, dtype=torch.float32)
     out = kmath.gram(rows, torch.float32, scale=2.0**-100)
     assert torch.equal(out, torch.full((2, 2), 4.0))
+
+
+def test_damped_inverse_rejects_an_indefinite_matrix() -> None:
+    from kfac.layers.base import LinAlgError
+
+    bad = torch.diag(torch.tensor([1.0, -5.0], dtype=F64))
+    with pytest.raises(LinAlgError, match='not positive definite'):
+        kmath.damped_inverse(bad, 0.1, torch.float64)
+    nan = torch.full((2, 2), math.nan, dtype=F64)
+    with pytest.raises(LinAlgError):
+        kmath.damped_inverse(nan, 0.1, torch.float64)

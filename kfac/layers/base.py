@@ -103,6 +103,8 @@ class KFACBaseLayer(abc.ABC):
         )
         #: The preconditioned gradient of the current step, if any.
         self.grad: torch.Tensor | None = None
+        #: The gradient matrix ``V`` read by :meth:`precondition_grad`.
+        self.raw_grad: torch.Tensor | None = None
         #: Fault counters: ``decomposition_retries``,
         #: ``decomposition_failures``, ``unpreconditioned_steps``,
         #: ``nonfinite_statistics``, ``nonfinite_gradients``.
@@ -358,6 +360,7 @@ class KFACBaseLayer(abc.ABC):
             self.grad = None
             return None
         grad = grad.to(self.inv_dtype)
+        self.raw_grad = grad
         if self.has_decomposition:
             self.grad = self._precondition(grad, damping)
         else:
@@ -386,12 +389,12 @@ class KFACBaseLayer(abc.ABC):
     def write_grad(self, scale: torch.Tensor | None) -> None:
         """Write :attr:`grad` (times ``scale``) into ``.grad`` and clear it."""
         grad = self.grad
+        self.grad = self.raw_grad = None
         if grad is None:
             return
         if scale is not None:
-            grad = grad * scale
+            grad = grad.mul_(scale)
         self.module.set_grad(grad)
-        self.grad = None
 
     # Introspection ---------------------------------------------------------
 

@@ -78,14 +78,17 @@ class KroneckerFactor:
         self._sum = total if self._sum is None else self._sum.add_(total)
         self._count += count
 
-    def batch(self) -> torch.Tensor | None:
-        """The accumulated batch factor ``Σ x xᵀ / count``, or None."""
+    def batch_sum(self) -> torch.Tensor | None:
+        """Fold in pending data; the batch's ``Σ x xᵀ`` (None if empty)."""
         for data, multiplier in self._pending:
             self._accumulate(data, multiplier)
         self._pending.clear()
-        if self._sum is None:
-            return None
-        return self._sum / self._count
+        return self._sum
+
+    def batch(self) -> torch.Tensor | None:
+        """The accumulated batch factor ``Σ x xᵀ / count``, or None."""
+        total = self.batch_sum()
+        return None if total is None else total / self._count
 
     def update(self, decay: float) -> torch.Tensor | None:
         """Fold the batch into the running average and reset the batch.
@@ -100,14 +103,16 @@ class KroneckerFactor:
             factor's device, no host synchronisation): whether the batch
             was finite.
         """
-        batch = self.batch()
+        self.batch_sum()
+        total, count = self._sum, self._count
         self.reset_batch()
-        if batch is None:
+        if total is None:
             return None
-        finite = torch.isfinite(batch.sum())
-        batch.masked_fill_(~finite, 0.0)
+        finite = torch.isfinite(total.sum())
+        total.masked_fill_(~finite, 0.0)
         self._previous = (self.value,)
-        self.value = running_average(self.value, batch.to(self.dtype), decay)
+        value = running_average(self.value, total, decay, 1.0 / count)
+        self.value = value.to(self.dtype)
         return finite
 
     def commit(self) -> None:

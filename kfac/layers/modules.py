@@ -10,14 +10,16 @@ from __future__ import annotations
 
 import abc
 import math
+from collections.abc import Iterator
 from typing import cast
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kfac.math import append_bias_ones
-from kfac.math import gram
+#: Elements of unfolded convolution patches computed at once (8 MiB of
+#: float32).
+PATCH_BLOCK_ELEMENTS = 2**21
 
 
 class ModuleHelper(abc.ABC):
@@ -120,15 +122,29 @@ class ModuleHelper(abc.ABC):
     ) -> tuple[torch.Tensor, int]:
         """Return ``(Σ ã ãᵀ, number of rows)`` of one batch's inputs.
 
+        The input vectors arrive as column blocks ``(in, r)``; the bias
+        entries of ``Σ ã ãᵀ`` (last row and column) are the column sums and
+        the count, so the ones are never materialised.
+
         Args:
             layer_input: the module's input as seen by its forward hook.
             dtype: dtype of the sum (at least float32).
-
         """
-        rows = self.a_rows(layer_input.detach())
+        n = self.in_features
+        dim = n + int(self.has_bias)
+        out = torch.zeros((dim, dim), dtype=dtype, device=layer_input.device)
+        gram_block = out[:n, :n]
+        count = 0
+        for cols in self.a_columns(layer_input.detach()):
+            cols = cols.to(dtype)
+            gram_block.addmm_(cols, cols.T)
+            if self.has_bias:
+                out[:n, n] += cols.sum(dim=1)
+            count += cols.shape[1]
         if self.has_bias:
-            rows = append_bias_ones(rows)
-        return gram(rows, dtype), rows.shape[0]
+            out[n, :n] = out[:n, n]
+            out[n, n] = count
+        return out, count
 
     def g_statistic(
         self,
@@ -146,21 +162,29 @@ class ModuleHelper(abc.ABC):
                 batch-size factor.
             per_example: multiply by the number of examples ``N`` as well
                 (``'mean'`` loss reduction).
-
         """
         n = self.batch_size(grad_output)
         if per_example:
             scale = scale * n
-        rows = self.g_rows(grad_output.detach())
-        return gram(rows, dtype, scale), n
+        # Scaled before the product: a loss-scaled gradient squared could
+        # overflow before the scale is divided out.
+        cols = self.g_columns(grad_output.detach(), dtype, scale)
+        return cols @ cols.T, n
 
     @abc.abstractmethod
-    def a_rows(self, layer_input: torch.Tensor) -> torch.Tensor:
-        """Input vectors as rows ``(R, in)``, one per example and position."""
+    def a_columns(self, layer_input: torch.Tensor) -> Iterator[torch.Tensor]:
+        """Input vectors as column blocks ``(in, r)``: one column per example
+        and position, in blocks of bounded size.
+        """
 
     @abc.abstractmethod
-    def g_rows(self, grad_output: torch.Tensor) -> torch.Tensor:
-        """Output gradients as rows ``(R, out)``, matching :meth:`a_rows`."""
+    def g_columns(
+        self,
+        grad_output: torch.Tensor,
+        dtype: torch.dtype,
+        scale: float,
+    ) -> torch.Tensor:
+        """Scaled output gradients as columns ``(out, R)`` in ``dtype``."""
 
     @abc.abstractmethod
     def batch_size(self, tensor: torch.Tensor) -> int:
@@ -175,11 +199,20 @@ class LinearModuleHelper(ModuleHelper):
     example.
     """
 
-    def a_rows(self, layer_input: torch.Tensor) -> torch.Tensor:  # noqa: D102
-        return layer_input.reshape(-1, layer_input.shape[-1])
+    def a_columns(  # noqa: D102
+        self,
+        layer_input: torch.Tensor,
+    ) -> Iterator[torch.Tensor]:
+        yield layer_input.reshape(-1, layer_input.shape[-1]).T
 
-    def g_rows(self, grad_output: torch.Tensor) -> torch.Tensor:  # noqa: D102
-        return grad_output.reshape(-1, grad_output.shape[-1])
+    def g_columns(  # noqa: D102
+        self,
+        grad_output: torch.Tensor,
+        dtype: torch.dtype,
+        scale: float,
+    ) -> torch.Tensor:
+        rows = grad_output.reshape(-1, grad_output.shape[-1]).to(dtype)
+        return (rows * scale if scale != 1.0 else rows).T
 
     def batch_size(self, tensor: torch.Tensor) -> int:  # noqa: D102
         return tensor.shape[0] if tensor.dim() > 1 else 1
@@ -218,24 +251,43 @@ class Conv2dModuleHelper(ModuleHelper):
             pads += [before, after]
         return pads[0], pads[1], pads[2], pads[3]
 
-    def a_rows(self, layer_input: torch.Tensor) -> torch.Tensor:  # noqa: D102
+    def a_columns(  # noqa: D102
+        self,
+        layer_input: torch.Tensor,
+    ) -> Iterator[torch.Tensor]:
         m = self.module
         x = layer_input if layer_input.dim() == 4 else layer_input[None]
         pads = self._pad_amounts()
         if any(pads):
             mode = 'constant' if m.padding_mode == 'zeros' else m.padding_mode
             x = F.pad(x, pads, mode=mode)
-        patches = F.unfold(
-            x,
-            kernel_size=m.kernel_size,
-            dilation=m.dilation,
-            stride=m.stride,
-        )  # (N, C*kh*kw, L)
-        return patches.transpose(1, 2).reshape(-1, patches.shape[1])
+        # Unfold a few examples at a time: patches are kh·kw times larger
+        # than the input, and small blocks stay in reused memory.
+        per_example = max(1, x[0].numel() * math.prod(m.kernel_size))
+        chunk = max(1, PATCH_BLOCK_ELEMENTS // per_example)
+        for block in x.split(chunk):
+            patches = F.unfold(
+                block,
+                kernel_size=m.kernel_size,
+                dilation=m.dilation,
+                stride=m.stride,
+            )  # (n, C*kh*kw, L)
+            yield patches.transpose(0, 1).reshape(patches.shape[1], -1)
 
-    def g_rows(self, grad_output: torch.Tensor) -> torch.Tensor:  # noqa: D102
+    def g_columns(  # noqa: D102
+        self,
+        grad_output: torch.Tensor,
+        dtype: torch.dtype,
+        scale: float,
+    ) -> torch.Tensor:
         g = grad_output if grad_output.dim() == 4 else grad_output[None]
-        return g.permute(0, 2, 3, 1).reshape(-1, g.shape[1])
+        cols = torch.empty(
+            (g.shape[1], g.shape[0], *g.shape[2:]),
+            dtype=dtype,
+            device=g.device,
+        )
+        torch.mul(g.transpose(0, 1).to(dtype), scale, out=cols)
+        return cols.reshape(g.shape[1], -1)
 
     def batch_size(self, tensor: torch.Tensor) -> int:  # noqa: D102
         return tensor.shape[0] if tensor.dim() == 4 else 1

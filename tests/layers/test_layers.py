@@ -139,6 +139,7 @@ def test_precondition_without_gradient_and_write_back() -> None:
         rtol=1e-9,
         label='layer precondition',
     )
+    got = got.clone()  # write_grad scales the layer's tensor in place
     layer.write_grad(torch.tensor(0.5, dtype=F64))
     assert layer.grad is None
     written = layer.module.get_grad()

@@ -189,3 +189,20 @@ def test_missing_bias_grad_reads_as_zero() -> None:
 
 def test_repr_names_module() -> None:
     assert 'Linear' in repr(LinearModuleHelper(nn.Linear(2, 2)))
+
+
+def test_conv_factors_in_small_blocks_equal_definition(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Unfolding a few examples at a time gives the same sums."""
+    from kfac.layers import modules
+
+    monkeypatch.setattr(modules, 'PATCH_BLOCK_ELEMENTS', 1)  # one per block
+    torch.manual_seed(3)
+    conv = nn.Conv2d(2, 3, 3, stride=2, padding=1).double()
+    x = torch.randn(5, 2, 7, 6, dtype=F64)
+    gout = torch.randn_like(conv(x))
+    a, g = factors(Conv2dModuleHelper(conv), x, gout)
+    a_ref, g_ref = conv_factors(conv, x, gout)
+    assert_rel_close(a, a_ref, label='factors: conv2d A')
+    assert_rel_close(g, g_ref, label='factors: conv2d G')
