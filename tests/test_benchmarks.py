@@ -1,0 +1,339 @@
+"""The benchmark harness's counting: FLOPs, schedules, shapes, byte model.
+
+Oracles: ``torch.utils.flop_counter`` for the matrix products the library
+really runs, the library's own registration and phase counts, published
+parameter counts of ResNet-50 and BERT-Large, and conservation laws of the
+traffic model. No test here asserts a time.
+"""
+
+from __future__ import annotations
+
+import collections
+from collections.abc import Sequence
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.flop_counter import FlopCounterMode
+
+from benchmarks import comm
+from benchmarks.floor import cycle_counts
+from benchmarks.floor import floor_seconds
+from benchmarks.floor import layer_shapes
+from benchmarks.floor import phase_work
+from benchmarks.floor import step_work
+from benchmarks.harness import CONFIGS
+from benchmarks.harness import Config
+from benchmarks.harness import cycle_kinds
+from benchmarks.harness import spread
+from benchmarks.harness import step_kind
+from benchmarks.machine import machine_info
+from benchmarks.models import MLP
+from benchmarks.models import ResNet20
+from benchmarks.models import Transformer
+from benchmarks.report import markdown
+from benchmarks.scaling import load_balance
+from benchmarks.scaling import make_plan
+from benchmarks.shapes import bert_large_shapes
+from benchmarks.shapes import resnet50_shapes
+from benchmarks.summary import run_model
+from kfac.layers.base import KFACBaseLayer
+from kfac.layers.eigen import KFACEigenLayer
+from kfac.layers.inverse import KFACInverseLayer
+from kfac.layers.modules import Conv2dModuleHelper
+from kfac.layers.modules import LinearModuleHelper
+from kfac.layers.modules import ModuleHelper
+from kfac.preconditioner import KFACPreconditioner
+from kfac.tracing import PhaseTimer
+
+# --------------------------------------------------------------------------
+# FLOPs of the phases, against the matrix products the library runs.
+
+
+def _addmm_inplace_flops(
+    inp: Sequence[int],
+    a: Sequence[int],
+    b: Sequence[int],
+    *args: object,
+    out_shape: object = None,
+    **kwargs: object,
+) -> int:
+    """``Tensor.addmm_``, which FlopCounterMode does not count itself."""
+    return 2 * a[0] * a[1] * b[1]
+
+
+def _flops(fn: object) -> int:
+    assert callable(fn)
+    mapping = {torch.ops.aten.addmm_: _addmm_inplace_flops}
+    with FlopCounterMode(display=False, custom_mapping=mapping) as counter:
+        fn()
+    return int(counter.get_total_flops())
+
+
+def _layer(method: str, helper: ModuleHelper) -> KFACBaseLayer:
+    if method == 'eigen':
+        return KFACEigenLayer(helper, prediv_eigenvalues=True)
+    return KFACInverseLayer(helper)
+
+
+CASES = [
+    (nn.Linear(7, 5), (6, 7)),
+    (nn.Linear(7, 5, bias=False), (3, 4, 7)),
+    (nn.Conv2d(3, 4, 3, stride=2, padding=1), (2, 3, 9, 9)),
+    (nn.Conv2d(2, 3, (3, 2), dilation=2, bias=False), (2, 2, 8, 7)),
+]
+
+
+@pytest.mark.parametrize('method', ['eigen', 'inverse'])
+@pytest.mark.parametrize(('module', 'shape'), CASES)
+def test_capture_and_precondition_flops_match_the_library(
+    method: str, module: nn.Module, shape: tuple[int, ...]
+) -> None:
+    torch.manual_seed(0)
+    x = torch.randn(shape)
+    (counted_shape,) = layer_shapes(nn.Sequential(module), x)
+    helper: ModuleHelper
+    if isinstance(module, nn.Conv2d):
+        helper = Conv2dModuleHelper(module)
+    else:
+        helper = LinearModuleHelper(module)
+    layer = _layer(method, helper)
+    out = module(x)
+    out.sum().backward()
+    grad_out = torch.randn_like(out)
+    capture = _flops(lambda: layer.save_layer_input(x, now=True))
+    capture += _flops(lambda: layer.save_layer_grad_output(grad_out, now=True))
+    layer.update_factors(0.95)
+    layer.commit_factors()
+    for name in ('A', 'G'):
+        assert layer.compute_decomposition(name, 0.1)
+    precondition = _flops(lambda: layer.precondition_grad(0.1))
+    work = phase_work(counted_shape, method)
+    assert capture == work['factor_capture'].flops
+    assert precondition == work['precondition'].flops
+    assert counted_shape.a_dim == layer.a.dim
+    assert counted_shape.g_dim == layer.g.dim
+
+
+@pytest.mark.parametrize('model', [MLP(), ResNet20(), Transformer(depth=1)])
+def test_layer_shapes_match_the_registered_layers(model: nn.Module) -> None:
+    pre = KFACPreconditioner(model)
+    shapes = layer_shapes(model)
+    assert [s.name for s in shapes] == list(pre.layers)
+    for shape in shapes:
+        layer = pre.layers[shape.name]
+        assert (shape.a_dim, shape.g_dim) == (layer.a.dim, layer.g.dim)
+        assert (
+            shape.grad_numel
+            == layer.module.weight.numel()
+            + (layer.a.dim - layer.module.in_features) * layer.g.dim
+        )
+    pre.remove()
+
+
+def test_transformer_attention_projections_are_preconditioned() -> None:
+    pre = KFACPreconditioner(Transformer(depth=2))
+    names = {n.rsplit('.', 1)[-1] for n in pre.layers}
+    assert {'q', 'k', 'v', 'out', 'fc1', 'fc2', 'head'} <= names
+    assert len(pre.layers) == 2 * 6 + 1
+    pre.remove()
+
+
+def test_step_work_sums_layers_and_floor_is_a_roofline() -> None:
+    shapes = layer_shapes(MLP(), torch.randn(4, 64))
+    total = step_work(shapes, 'inverse')
+    parts = [phase_work(s, 'inverse') for s in shapes]
+    for phase, work in total.items():
+        assert work.flops == sum(p[phase].flops for p in parts)
+        assert work.nbytes == sum(p[phase].nbytes for p in parts)
+    work = total['precondition']
+    assert floor_seconds(work, work.flops, 1e30) == pytest.approx(1.0)
+    assert floor_seconds(work, 1e30, work.nbytes) == pytest.approx(1.0)
+    with pytest.raises(ValueError, match='method'):
+        phase_work(shapes[0], 'cholesky')
+
+
+# --------------------------------------------------------------------------
+# Schedules: the harness's cycle model against the preconditioner's.
+
+
+@pytest.mark.parametrize(('factor', 'inverse'), [(10, 100), (1, 1), (3, 7)])
+def test_cycle_counts_match_the_phases_the_preconditioner_runs(
+    factor: int, inverse: int
+) -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2))
+    pre = KFACPreconditioner(
+        model, factor_update_steps=factor, inv_update_steps=inverse
+    )
+    timer = PhaseTimer()
+    pre.timer = timer
+    x = torch.randn(8, 3)
+    for _ in range(100):
+        model.zero_grad()
+        model(x).square().sum().backward()
+        pre.step()
+    counts = cycle_counts(factor, inverse, 100)
+    assert timer.counts['running_average'] == counts['factor'] * 2
+    assert timer.counts['decomposition'] == counts['inverse']
+    assert timer.counts['write_back'] == counts['step']
+    config = Config('x', 'eigen', factor, inverse)
+    kinds = cycle_kinds(config)
+    assert kinds['fi'] + kinds['f'] == counts['factor']
+    assert kinds['fi'] + kinds.get('i', 0) == counts['inverse']
+    assert sum(kinds.values()) == 100
+
+
+def test_step_kinds() -> None:
+    sgd, eigen = CONFIGS[0], CONFIGS[2]
+    assert step_kind(0, sgd) == '-'
+    assert collections.Counter(
+        step_kind(s, eigen) for s in range(1, 101)
+    ) == collections.Counter({'-': 90, 'f': 9, 'fi': 1})
+    assert spread([])['n'] == 0
+    assert spread([2.0]) == {
+        'n': 1,
+        'median': 2.0,
+        'mean': 2.0,
+        'p10': 2.0,
+        'p90': 2.0,
+        'min': 2.0,
+        'max': 2.0,
+    }
+
+
+# --------------------------------------------------------------------------
+# Scaling shapes: published parameter counts.
+
+
+def test_resnet50_shapes_give_the_published_parameter_count() -> None:
+    shapes = resnet50_shapes()
+    convs, fc = shapes[:-1], shapes[-1]
+    assert len(convs) == 53
+    batch_norm = 2 * sum(s.g_dim for s in convs)  # one after every conv
+    weights = sum(s.grad_numel for s in shapes)
+    assert weights + batch_norm == 25_557_032  # torchvision resnet50
+    assert (fc.a_dim, fc.g_dim) == (2049, 1000)
+
+
+def test_bert_large_shapes_give_the_published_parameter_count() -> None:
+    hidden, vocab, positions, types, layers = 1024, 30522, 512, 2, 24
+    shapes = bert_large_shapes()
+    assert len(shapes) == 6 * layers + 1
+    embeddings = (vocab + positions + types) * hidden
+    layer_norms = (1 + 2 * layers) * 2 * hidden
+    total = sum(s.grad_numel for s in shapes) + embeddings + layer_norms
+    assert total == 335_141_888  # bert-large-uncased (BertModel)
+
+
+# --------------------------------------------------------------------------
+# Load balance and the byte model.
+
+
+def test_load_balance_is_at_least_the_lower_bound() -> None:
+    shapes = bert_large_shapes()
+    for world in (1, 8, 64, 256):
+        for fraction in ('comm_opt', 'hybrid_opt', 'mem_opt'):
+            for strategy in ('compute', 'memory'):
+                b = load_balance(shapes, world, fraction, strategy)
+                assert b['max_over_mean'] >= b['lower_bound'] - 1e-12
+                assert b['lower_bound'] >= 1.0
+                assert 1 <= b['busy_ranks'] <= min(world, len(shapes))
+
+
+def test_counted_is_zero_on_one_rank() -> None:
+    shapes = resnet50_shapes()
+    plan = make_plan(shapes, 1, 'comm_opt')
+    assert set(comm.counted(shapes, plan, 0, comm.CommConfig()).values()) == {
+        (0, 0)
+    }
+    for sent, recv in comm.traffic(shapes, plan, comm.CommConfig()).values():
+        assert float(sent.sum()) == float(recv.sum()) == 0.0
+
+
+def test_bucket_count() -> None:
+    mib = 2**20
+    assert comm.bucket_count([1, 2, 3], 0) == 3
+    assert comm.bucket_count([], 1.0) == 0
+    assert comm.bucket_count([mib // 2, mib // 2, 1], 1.0) == 2
+    assert comm.bucket_count([mib // 2, mib // 2 + 1, mib // 2], 1.0) == 3
+    assert comm.bucket_count([2 * mib, 1, 2 * mib], 1.0) == 3
+
+
+@pytest.mark.parametrize('world', [2, 8, 64])
+@pytest.mark.parametrize('fraction', ['comm_opt', 'hybrid_opt', 'mem_opt'])
+@pytest.mark.parametrize('name', ['eigen', 'inverse packed'])
+def test_traffic_conserves_bytes_and_agrees_with_counted(
+    world: int, fraction: str, name: str
+) -> None:
+    from benchmarks.scaling import COMM_CONFIGS
+
+    config = COMM_CONFIGS[name]
+    shapes = resnet50_shapes()
+    plan = make_plan(shapes, world, fraction)
+    traffic = comm.traffic(shapes, plan, config)
+    counted = [comm.counted(shapes, plan, r, config) for r in range(world)]
+    for phase in ('decomposition_broadcast', 'grad_broadcast'):
+        sent, recv = traffic[phase]
+        assert float(sent.sum()) == pytest.approx(float(recv.sum()))
+        # Every rank of a broadcast counts its payload; all but the root
+        # receive it, so the difference is one payload per broadcast.
+        total = sum(c[phase][0] for c in counted)
+        roots = {
+            'decomposition_broadcast': sum(
+                sum(comm.decomposition_payloads(x, f, config))
+                for x in shapes
+                for f in ('A', 'G')
+            )
+            * (plan.grad_workers > 1),
+            'grad_broadcast': sum(x.grad_numel for x in shapes)
+            * plan.grad_workers
+            * (plan.grad_workers < world),
+        }[phase]
+        assert total - float(recv.sum()) == pytest.approx(
+            roots * config.itemsize
+        )
+    sent, recv = traffic['factor_allreduce']
+    nbytes, _ = counted[0]['factor_allreduce']
+    assert float(sent[0]) == pytest.approx(2 * (world - 1) / world * nbytes)
+    assert torch.equal(sent, recv)
+
+
+# --------------------------------------------------------------------------
+# The harness end to end on the MLP (a smoke test: no time is asserted).
+
+
+def test_run_model_and_report_smoke() -> None:
+    torch.manual_seed(0)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as the harness runs; fast on a shared CPU
+    try:
+        result = run_model(
+            'mlp',
+            device=torch.device('cpu'),
+            steps=10,
+            fi_steps=1,
+            full_cycle=False,
+        )
+    finally:
+        torch.set_num_threads(threads)
+    configs = result['configs']
+    assert list(configs) == [c.name for c in CONFIGS]
+    for name, entry in configs.items():
+        assert entry['step_seconds']['n'] == (1 if '1/1' in name else 10)
+        if name == 'sgd':
+            continue
+        assert entry['cycle']['ratio_to_sgd'] > 0
+        assert entry['memory']['memory_usage']['total'] > 0
+        phases = entry['phases']
+        assert phases['precondition']['floor_seconds'] > 0
+        assert phases['factor_allreduce']['floor_seconds'] == 0
+    text = markdown(
+        {
+            'machine': machine_info(torch.device('cpu')),
+            'linalg': [],
+            'models': {'mlp': result},
+        }
+    )
+    assert '| mlp | sgd |' in text
+    assert 'eigen 10/100 x SGD' in text
