@@ -310,9 +310,11 @@ BOUNDARIES: list[tuple[str, Callable[[], object], type[Exception], str]] = [
     ),
     (
         'set_hyperparameters unknown',
-        lambda: KFACPreconditioner(TinyMLP()).set_hyperparameters(dampin=1.0),
+        lambda: KFACPreconditioner(TinyMLP()).set_hyperparameters(
+            dampening=1.0
+        ),
         ValueError,
-        "unknown hyperparameters ['dampin']",
+        "unknown hyperparameters ['dampening']",
     ),
     (
         'set_hyperparameters invalid',
