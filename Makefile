@@ -5,9 +5,9 @@ PY := $(VENV)/bin/python
 TORCH_SPEC ?= torch==2.13.0
 STAMP := $(VENV)/.installed
 
-.PHONY: test lint typecheck pytest venv clean
+.PHONY: test lint typecheck pytest venv clean docs
 
-test: $(STAMP) lint typecheck pytest
+test: $(STAMP) lint typecheck docs pytest
 
 $(STAMP): pyproject.toml requirements-dev.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -28,11 +28,47 @@ lint: $(STAMP)
 typecheck: $(STAMP)
 	$(VENV)/bin/mypy
 
+# The documentation site (mkdocs.yml), built strictly: a broken reference,
+# link or docstring fails the build. Output in site/ (ignored by git).
+docs: $(STAMP)
+	$(VENV)/bin/codespell docs CONTRIBUTING.md mkdocs.yml .github
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict
+
 pytest: $(STAMP)
 	rm -f .coverage .coverage.*
 	$(VENV)/bin/coverage run -m pytest -q -p no:cacheprovider
 	$(VENV)/bin/coverage combine -q
 	$(VENV)/bin/coverage report
 
+# `make demo`: SGD, Adam and SGD + K-FAC on Fashion-MNIST (examples/README.md).
+# `make integration`: the slow real-data test that K-FAC beats SGD.
+.PHONY: demo integration fashion-mnist
+FASHION_MNIST := /usr/share/datasets/fashion-mnist
+EXAMPLES_STAMP := $(VENV)/.examples-installed
+
+$(EXAMPLES_STAMP): $(STAMP) examples/requirements.txt
+	$(PY) -m pip install --quiet -r examples/requirements.txt '$(TORCH_SPEC)'
+	touch $(EXAMPLES_STAMP)
+
+# Debian's dataset-fashion-mnist when apt-get can install it (as root);
+# otherwise the demo says so and falls back to scikit-learn's 8x8 digits.
+fashion-mnist:
+	@test -f $(FASHION_MNIST)/train-images-idx3-ubyte.gz || \
+	  { apt-get update -qq && apt-get install -y -qq dataset-fashion-mnist; } || \
+	  echo 'could not install dataset-fashion-mnist (needs root and apt-get)'
+
+demo: $(EXAMPLES_STAMP) fashion-mnist
+	$(PY) -m examples.fashion_mnist
+
+integration: $(EXAMPLES_STAMP) fashion-mnist
+	$(VENV)/bin/pytest -m integration tests/integration -p no:cacheprovider
+
 clean:
 	rm -rf $(VENV) .coverage .coverage.* .mypy_cache .ruff_cache .pytest_cache
+
+# `make bench`: K-FAC's cost against SGD and against its arithmetic floor,
+# scaling to 1024 ranks, and the byte model against gloo runs
+# (benchmarks/README.md). Writes build/bench.json; prints Markdown.
+.PHONY: bench
+bench: $(STAMP)
+	$(PY) -m benchmarks --out build/bench.json

@@ -78,11 +78,8 @@ def broadcast_decompositions(
         (layer, f, tuple(wait(h, 'decomposition broadcast') for h in hs))
         for layer, f, hs in pending
     ]
-    if not received:
-        return
-    flags = torch.stack(
-        [torch.isfinite(t).all() for _, _, ts in received for t in ts],
-    ).tolist()
+    checks = [torch.isfinite(t).all() for _, _, ts in received for t in ts]
+    flags = torch.stack(checks).tolist() if checks else []
     index = 0
     for layer, f, tensors in received:
         valid = all(flags[index : index + len(tensors)])

@@ -1,16 +1,33 @@
-"""Smoke tests of the example scripts: a few steps, no download."""
+"""Smoke tests of the example scripts: two steps each, no download.
+
+Every example runs on synthetic tensors of its real input shape
+(1x28x28 IDX files written here, 3x32x32 and 3x224x224 random images), on
+one process and, in one shared launch, on two gloo processes.
+"""
 
 from __future__ import annotations
 
+import json
 import pathlib
 
+import numpy as np
 import pytest
+import torch
 import torch.distributed as dist
 
+from examples import comparison
+from examples import fashion_mnist
+from examples import torch_cifar10_resnet
+from examples import torch_imagenet_resnet
 from examples import train_ddp
+from examples import training
+from testing.data import write_idx_dir
 from testing.distributed import run_distributed
 
 QUICK = ['--epochs', '2', '--steps-per-epoch', '2', '--batch-size', '8']
+#: Two steps an epoch: four random images, two per batch.
+RESNET_QUICK = ['--synthetic', '4', '--batch-size', '2', '--workers', '0']
+IMAGENET_SMALL = ['--width', '8', '--classes', '10']
 
 
 def test_train_ddp_single_process(tmp_path: pathlib.Path) -> None:
@@ -22,14 +39,210 @@ def test_train_ddp_single_process(tmp_path: pathlib.Path) -> None:
     assert train_ddp.main([*QUICK, '--no-kfac', '--strategy', '1.0']) >= 0.0
 
 
-def _ddp_body(checkpoint: str) -> None:
+def _demo_args(data_dir: pathlib.Path, *extra: str) -> list[str]:
+    # 32 training images in batches of 16: two steps
+    return [
+        '--data-dir',
+        str(data_dir),
+        '--require-data',
+        '--epochs',
+        '1',
+        '--batch-size',
+        '16',
+        '--no-progress',
+        *extra,
+    ]
+
+
+def test_fashion_mnist_demo(
+    tmp_path: pathlib.Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    data_dir = write_idx_dir(tmp_path / 'idx', train=32, test=20)
+    plot = tmp_path / 'plots' / 'demo.png'
+    histories = fashion_mnist.main(
+        _demo_args(
+            data_dir, '--plot', str(plot), '--kfac-inv-update-steps', '1'
+        )
+    )
+    assert list(histories) == ['sgd', 'adam', 'kfac']
+    for history in histories.values():
+        assert len(history.accuracy) == len(history.seconds) == 2
+        assert history.seconds[0] == 0.0 < history.seconds[1]
+        assert all(0.0 <= a <= 1.0 for a in history.accuracy)
+    # the same start: identical weights before training
+    assert len({h.accuracy[0] for h in histories.values()}) == 1
+    # K-FAC changed the second step: the mean training losses differ
+    assert histories['sgd'].loss[1] != histories['kfac'].loss[1]
+    assert plot.read_bytes()[:8] == b'\x89PNG\r\n\x1a\n'
+    out = capsys.readouterr().out
+    assert f'plot written to {plot.resolve()}' in out
+    assert 'SGD + momentum + K-FAC' in out
+
+
+def test_fashion_mnist_progress_bars_and_amp(
+    tmp_path: pathlib.Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    data_dir = write_idx_dir(tmp_path / 'idx', train=32, test=8)
+    args = _demo_args(data_dir, '--optimizers', 'kfac', '--no-plot', '--amp')
+    args.remove('--no-progress')
+    (history,) = fashion_mnist.main(args).values()
+    assert np.isfinite(history.loss[1])
+    assert 'epoch 1/1' in capsys.readouterr().err  # the tqdm bar
+
+
+def test_history_time_to_target() -> None:
+    history = comparison.History(
+        'kfac', accuracy=[0.1, 0.6, 0.8, 0.7], seconds=[0.0, 2.0, 4.5, 7.0]
+    )
+    history.loss = [float('nan'), 1.0, 0.5, 0.4]
+    assert history.time_to(0.75) == (2, 4.5)
+    assert history.time_to(0.9) is None
+    table = comparison.format_history(history, 0.75)
+    assert table.splitlines()[0] == 'SGD + momentum + K-FAC'
+    assert '4.5 s (epoch 2)' in table
+    assert 'not reached' in comparison.format_history(history, 0.9)
+    summary = comparison.format_summary([history], 0.75)
+    assert '70.00%' in summary and '80.00%' in summary
+
+
+def test_cifar10_checkpoint_resume_is_exact(tmp_path: pathlib.Path) -> None:
+    """Two epochs equal one epoch, a checkpoint and a resumed epoch."""
+    kfac = ['--kfac-factor-update-steps', '1', '--kfac-inv-update-steps', '3']
+    common = [*RESNET_QUICK, '--model', 'resnet20', *kfac]
+    straight = torch_cifar10_resnet.main([*common, '--epochs', '2'])
+    first = torch_cifar10_resnet.main(
+        [*common, '--epochs', '1', '--checkpoint-dir', str(tmp_path)]
+    )
+    assert first.epochs_trained == 1
+    state = torch.load(tmp_path / 'checkpoint.pt', weights_only=True)
+    assert {'model', 'optimizer', 'lr_scheduler', 'kfac'} <= set(state)
+    resumed = torch_cifar10_resnet.main(
+        [*common, '--epochs', '2', '--checkpoint-dir', str(tmp_path)]
+    )
+    assert resumed.epochs_trained == 2
+    assert resumed.train_loss == pytest.approx(straight.train_loss, rel=1e-5)
+    assert resumed.val_loss == pytest.approx(straight.val_loss, rel=1e-5)
+
+
+@pytest.mark.parametrize('dtype', ['bfloat16', 'float16'])
+# GradScaler skips steps whose float16 gradients overflow; LambdaLR warns.
+@pytest.mark.filterwarnings('ignore:Detected call of `lr_scheduler.step')
+def test_cifar10_mixed_precision(tmp_path: pathlib.Path, dtype: str) -> None:
+    result = torch_cifar10_resnet.main(
+        [
+            *RESNET_QUICK,
+            '--model',
+            'resnet20',
+            '--epochs',
+            '1',
+            '--amp',
+            '--amp-dtype',
+            dtype,
+            '--checkpoint-dir',
+            str(tmp_path),
+            '--log-dir',
+            str(tmp_path),
+            '--log-interval',
+            '1',
+        ]
+    )
+    assert np.isfinite(result.train_loss) and np.isfinite(result.val_loss)
+    records = [
+        json.loads(line)
+        for line in (tmp_path / 'metrics.jsonl').read_text().splitlines()
+    ]
+    assert [r['kind'] for r in records] == ['train', 'train', 'epoch']
+    state = torch.load(tmp_path / 'checkpoint.pt', weights_only=True)
+    assert ('scaler' in state) == (dtype == 'float16')
+
+
+def test_float16_scaler_unscales_before_kfac() -> None:
+    """K-FAC sees unscaled gradients: its KL clip gets their true size."""
+    model = torch.nn.Linear(4, 3)
+    precision = training.Precision(torch.device('cpu'), True, 'float16')
+    assert precision.scaler is not None
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
+    seen: list[float] = []
+
+    class Probe:
+        def step(self) -> None:
+            assert model.weight.grad is not None
+            seen.append(float(model.weight.grad.abs().max()))
+
+    x = torch.randn(8, 4)
+    loss = model(x).square().mean()
+    expected = torch.autograd.grad(loss, model.weight)[0].abs().max()
+    loss = model(x).square().mean()
+    training.backward_and_step(
+        loss,
+        optimizer,
+        Probe(),  # type: ignore[arg-type]  # only step() is called
+        precision,
+    )
+    assert seen == [pytest.approx(float(expected))]
+
+
+def test_imagenet_resnet_two_steps(tmp_path: pathlib.Path) -> None:
+    result = torch_imagenet_resnet.main(
+        [
+            *RESNET_QUICK,
+            *IMAGENET_SMALL,
+            '--epochs',
+            '1',
+            '--checkpoint-dir',
+            str(tmp_path),
+        ]
+    )
+    assert result.epochs_trained == 1
+    assert np.isfinite(result.train_loss)
+    state = torch.load(tmp_path / 'checkpoint.pt', weights_only=True)
+    # every convolution and the classifier are preconditioned
+    assert len(state['kfac']['layers']) == 54
+
+
+def test_resnet_examples_need_data_or_synthetic() -> None:
+    with pytest.raises(ValueError, match='--data-dir'):
+        torch_cifar10_resnet.main(['--workers', '0'])
+    with pytest.raises(ValueError, match='--data-dir'):
+        torch_imagenet_resnet.main(['--workers', '0'])
+
+
+def _ddp_body(tmp: str) -> None:
     assert dist.get_world_size() == 2
+    checkpoint = str(pathlib.Path(tmp) / 'ck.pt')
     for strategy in ('mem_opt', '0.5'):
         train_ddp.main(
             [*QUICK, '--strategy', strategy, '--checkpoint', checkpoint]
         )
+    data_dir = pathlib.Path(tmp) / 'idx'
+    histories = fashion_mnist.main(
+        _demo_args(data_dir, '--optimizers', 'sgd', 'kfac', '--no-plot')
+    )
+    assert all(len(h.accuracy) == 2 for h in histories.values())
+    cifar = torch_cifar10_resnet.main(
+        [
+            *RESNET_QUICK,
+            '--model',
+            'resnet20',
+            '--epochs',
+            '1',
+            '--kfac-strategy',
+            'mem_opt',
+            '--amp',
+            '--checkpoint-dir',
+            str(pathlib.Path(tmp) / 'cifar'),
+        ]
+    )
+    assert cifar.epochs_trained == 1
+    imagenet = torch_imagenet_resnet.main(
+        [*RESNET_QUICK, *IMAGENET_SMALL, '--epochs', '1']
+    )
+    assert np.isfinite(imagenet.train_loss)
 
 
-@pytest.mark.timeout(180)
-def test_train_ddp_two_processes(tmp_path: pathlib.Path) -> None:
-    run_distributed(_ddp_body, 2, str(tmp_path / 'ck.pt'), tmp_path=tmp_path)
+@pytest.mark.timeout(240)
+def test_examples_two_processes(tmp_path: pathlib.Path) -> None:
+    write_idx_dir(tmp_path / 'idx', train=32, test=20)
+    run_distributed(
+        _ddp_body, 2, str(tmp_path), tmp_path=tmp_path, timeout=200
+    )

@@ -394,3 +394,15 @@ def test_deprecated_cuda_grad_scaler_is_accepted() -> None:
         assert g is not None
         assert layer.g.value is not None
         assert torch.equal(g, layer.g.value)
+
+
+def test_step_without_any_forward_pass_changes_nothing(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    model = TinyMLP().double()
+    precon = KFACPreconditioner(model)
+    with caplog.at_level(logging.WARNING, logger='kfac'):
+        precon.step()
+    assert precon.steps == 1
+    assert not any(layer.has_factors for layer in precon.layers.values())
+    assert 'did not run forward and backward' in caplog.text

@@ -205,3 +205,20 @@ def test_factor_update_without_batch_and_reduce_before_update() -> None:
                 bucketed=False,
             ),
         )
+
+
+def test_rollback_without_update_is_a_no_op() -> None:
+    layer, _, _ = layer_with_data()
+    layer.update_factors(0.9)
+    layer.commit_factors()
+    kept = layer.a.value
+    layer.rollback_factors()  # nothing provisional to undo
+    assert layer.a.value is kept
+
+
+def test_inverse_needs_both_factors() -> None:
+    layer, _, _ = layer_with_data(KFACInverseLayer)
+    layer.update_factors(0.9)
+    layer.g.value = None
+    with pytest.raises(RuntimeError, match='has no factors yet'):
+        layer.compute_decomposition('A', 0.1)

@@ -1,0 +1,1 @@
+"""Helper scripts: the demo's hyperparameter search."""

@@ -1,0 +1,54 @@
+"""K-FAC against SGD on real data (``make integration``).
+
+Trains the demo's CNN on Fashion-MNIST twice, with SGD + momentum and with
+SGD + momentum + K-FAC, from the same initial weights on the same batches
+for the same number of epochs (the demo's tuned settings and budget), and
+requires K-FAC to end with the higher test accuracy. ``make integration``
+installs Debian's ``dataset-fashion-mnist`` first; without it the test
+fails and says how to install it. ``examples/README.md`` records the
+measured numbers.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from examples import comparison
+from examples import data
+from examples import fashion_mnist
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.mark.timeout(1800)
+def test_kfac_beats_sgd_on_fashion_mnist(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    if not (data.FASHION_MNIST_DIR / 'train-images-idx3-ubyte.gz').exists():
+        pytest.fail(
+            f'Fashion-MNIST is not in {data.FASHION_MNIST_DIR}: install it '
+            f'with {data.INSTALL_HINT} (make integration does this as root)',
+        )
+    histories = fashion_mnist.main(
+        [
+            '--data-dir',
+            str(data.FASHION_MNIST_DIR),
+            '--require-data',
+            '--optimizers',
+            'sgd',
+            'kfac',
+            '--seed',
+            '0',
+            '--no-plot',
+            '--no-progress',
+        ]
+    )
+    sgd, kfac = histories['sgd'], histories['kfac']
+    assert len(sgd.accuracy) == len(kfac.accuracy) > 1  # same epoch budget
+    target = fashion_mnist.parse_args([]).target_accuracy
+    with capsys.disabled():
+        print('\n' + comparison.format_summary([sgd, kfac], target))
+    assert kfac.accuracy[-1] > sgd.accuracy[-1], (
+        f'after {len(sgd.accuracy) - 1} epochs K-FAC reached '
+        f'{kfac.accuracy[-1]:.2%} test accuracy, SGD {sgd.accuracy[-1]:.2%}'
+    )
