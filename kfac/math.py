@@ -44,8 +44,9 @@ Damping ``λ``:
   ``V' = Q_G [(Q_Gᵀ V Q_A) / (d_G d_Aᵀ + λ)] Q_Aᵀ``.
 * INVERSE uses factored Tikhonov damping (Martens & Grosse 2015, §6.3):
   ``V' = (G + (√λ / π) I)⁻¹ V (A + π √λ I)⁻¹`` with
-  ``π = sqrt((tr A / dim A) / (tr G / dim G))``. ``λ`` is split between the
-  factors, so the same number damps less than with EIGEN.
+  ``π = sqrt((tr A / dim A) / (tr G / dim G))``. The damped Kronecker
+  product has eigenvalues ``d_A d_G + λ + √λ (d_A / π + π d_G)``, so the
+  same ``λ`` damps at least as much as with EIGEN.
 
 KL clipping scales every preconditioned gradient by
 ``ν = min(1, sqrt(κ / |lr² Σ_layers Σ V' ⊙ V|))``.

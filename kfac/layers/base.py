@@ -107,7 +107,7 @@ class KFACBaseLayer(abc.ABC):
         self.raw_grad: torch.Tensor | None = None
         #: Fault counters: ``decomposition_retries``,
         #: ``decomposition_failures``, ``unpreconditioned_steps``,
-        #: ``nonfinite_statistics``, ``nonfinite_gradients``.
+        #: ``nonfinite_gradients`` (absent until the first event).
         self.counters: Counter[str] = Counter()
 
     def __repr__(self) -> str:
