@@ -428,14 +428,26 @@ class BaseKFACPreconditioner:
             for name in (self._layers if names is None else names)
             if self._layers[name].has_factors
         ]
+        jobs = [
+            (name, f)
+            for name in ready
+            for f in FACTOR_NAMES
+            if plan.inv_worker(name, f) == rank
+        ]
         with self._phase('decomposition'):
-            for name in ready:
+            # First attempts everywhere, then one host synchronisation reads
+            # all their validity flags; only failures are retried.
+            first = [
+                self._layers[name].try_decomposition(f, damping)
+                for name, f in jobs
+            ]
+            flags = [result[1] for result in first if result is not None]
+            valid = iter(torch.stack(flags).tolist() if flags else [])
+            for (name, f), result in zip(jobs, first):
                 layer = self._layers[name]
-                for f in FACTOR_NAMES:
-                    if plan.inv_worker(name, f) != rank:
-                        continue
-                    if not layer.compute_decomposition(f, damping):
-                        self._log_decomposition_failure(name, layer)
+                ok = result is not None and next(valid)
+                if not layer.finish_decomposition(f, damping, result, ok):
+                    self._log_decomposition_failure(name, layer)
         self._decomposed.update(ready)
         if plan.broadcast_inverses():
             with self._phase('decomposition_broadcast'):

@@ -60,6 +60,7 @@ __all__ = [
     'append_bias_ones',
     'compute_dtype',
     'damped_inverse',
+    'damped_inverse_ex',
     'eigen_precondition',
     'eigenvalue_outer_product',
     'gram',
@@ -124,19 +125,33 @@ def running_average(
     batch: torch.Tensor,
     decay: float,
     scale: float = 1.0,
+    keep: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Return ``decay · current + (1 - decay) · scale · batch``.
+    """Return ``decay · current + (1 - decay) · scale · keep · batch``.
 
     Computed in ``batch``'s memory (``batch`` is overwritten and returned,
     in its own dtype): no new matrix per update. The first update
-    (``current is None``) returns ``scale · batch``: no identity bias is
-    mixed in. ``decay == 1`` returns ``current`` unchanged.
+    (``current is None``) returns ``scale · keep · batch``: no identity bias
+    is mixed in. ``decay == 1`` returns ``current`` unchanged.
+
+    Args:
+        current: the running average, or None before the first update.
+        batch: the batch factor (or a sum to be multiplied by ``scale``).
+        decay: weight of ``current``.
+        scale: multiplier of ``batch``.
+        keep: optional 0-d tensor, 1 or 0 in ``batch``'s dtype: 0 drops the
+            batch (``batch`` must then be finite) without a host
+            synchronisation.
     """
-    if current is None:
-        return batch if scale == 1.0 else batch.mul_(scale)
-    if decay == 1.0:
+    if current is not None and decay == 1.0:
         return current
-    batch.mul_((1.0 - decay) * scale)
+    coef = scale if current is None else (1.0 - decay) * scale
+    if keep is not None:
+        batch.mul_(keep * coef)
+    elif coef != 1.0:
+        batch.mul_(coef)
+    if current is None:
+        return batch
     return batch.add_(current.to(batch.dtype), alpha=decay)
 
 
@@ -192,23 +207,42 @@ def eigen_precondition(
     return qg @ v @ qa.T
 
 
-def pi_correction(a: torch.Tensor, g: torch.Tensor) -> float:
-    """Return ``π = sqrt((tr A / dim A) / (tr G / dim G))``.
+def pi_correction(a: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+    """Return ``π = sqrt((tr A / dim A) / (tr G / dim G))`` as a 0-d tensor.
 
     Falls back to ``π = 1`` (plain Tikhonov split) when either normalised
-    trace is not a positive finite number, e.g. for an all-zero factor.
+    trace or their ratio is not a positive finite number, e.g. for an
+    all-zero factor. Computed on the factors' device without a host
+    synchronisation.
     """
-    ta = float(torch.diagonal(a).sum()) / a.shape[0]
-    tg = float(torch.diagonal(g).sum()) / g.shape[0]
-    ratio = ta / tg if tg > 0.0 else float('nan')
-    if not (ta > 0.0 and 0.0 < ratio < float('inf')):
-        return 1.0
-    return float(ratio**0.5)
+    ta = torch.diagonal(a).sum() / a.shape[0]
+    tg = torch.diagonal(g).sum() / g.shape[0]
+    ratio = ta / tg
+    ok = (ta > 0) & (tg > 0) & (ratio > 0) & torch.isfinite(ratio)
+    return torch.where(ok, ratio.sqrt(), torch.ones_like(ratio))
+
+
+def damped_inverse_ex(
+    factor: torch.Tensor,
+    shift: float | torch.Tensor,
+    dtype: torch.dtype,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Return ``((F + shift · I)⁻¹, info)`` without a host synchronisation.
+
+    ``info`` (0-d int tensor) is 0 when the damped factor was positive
+    definite; otherwise the inverse is meaningless. See
+    :func:`damped_inverse`.
+    """
+    damped = factor.to(dtype=dtype, copy=True)
+    damped.diagonal().add_(shift)
+    lower, info = torch.linalg.cholesky_ex(damped)
+    inverse: torch.Tensor = torch.cholesky_inverse(lower)
+    return inverse, info
 
 
 def damped_inverse(
     factor: torch.Tensor,
-    shift: float,
+    shift: float | torch.Tensor,
     dtype: torch.dtype,
 ) -> torch.Tensor:
     """Return ``(F + shift · I)⁻¹`` computed in ``dtype``, symmetric.
@@ -218,22 +252,19 @@ def damped_inverse(
 
     Args:
         factor: ``(n, n)`` symmetric positive semi-definite matrix.
-        shift: positive diagonal shift.
+        shift: positive diagonal shift (a float or a 0-d tensor).
         dtype: the dtype to compute in.
 
     Raises:
         torch.linalg.LinAlgError: the damped factor is not positive
             definite (or not finite).
     """
-    damped = factor.to(dtype=dtype, copy=True)
-    damped.diagonal().add_(shift)
-    lower, info = torch.linalg.cholesky_ex(damped)
+    inverse, info = damped_inverse_ex(factor, shift, dtype)
     if int(info) != 0:
         raise torch.linalg.LinAlgError(  # type: ignore[attr-defined]
             f'damped factor is not positive definite (info={int(info)})',
         )
-    inv: torch.Tensor = torch.cholesky_inverse(lower)
-    return inv
+    return inverse
 
 
 def inverse_precondition(

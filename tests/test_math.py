@@ -74,6 +74,22 @@ def test_running_average_scales_the_batch_sum() -> None:
     assert torch.equal(out, torch.full((2, 2), 1.5))
 
 
+@pytest.mark.parametrize('current', [None, torch.ones(2, 2)])
+def test_running_average_keep_zero_drops_the_batch(
+    current: torch.Tensor | None,
+) -> None:
+    total = torch.full((2, 2), 6.0)
+    keep = torch.tensor(0.0)
+    out = kmath.running_average(current, total, 0.5, scale=1 / 3, keep=keep)
+    expected = torch.zeros(2, 2) if current is None else 0.5 * current
+    assert torch.equal(out, expected)
+    kept = kmath.running_average(
+        current, torch.full((2, 2), 6.0), 0.5, 1 / 3, torch.tensor(1.0)
+    )
+    plain = kmath.running_average(current, torch.full((2, 2), 6.0), 0.5, 1 / 3)
+    assert torch.equal(kept, plain)
+
+
 def test_symmetric_eigh_reconstructs_and_clamps() -> None:
     f = random_psd(5, 3, rank=2)  # rank 2: three (near-)zero eigenvalues
     q, d = kmath.symmetric_eigh(f, torch.float64)
@@ -126,12 +142,18 @@ def test_inverse_precondition_equals_dense_solve(damping: float) -> None:
 def test_pi_correction_formula_and_fallback() -> None:
     a = torch.diag(torch.tensor([1.0, 3.0], dtype=F64))  # tr/dim = 2
     g = torch.diag(torch.tensor([8.0, 8.0, 8.0, 8.0], dtype=F64))  # tr/dim 8
-    assert kmath.pi_correction(a, g) == pytest.approx(0.5, rel=1e-15)
-    zero = torch.zeros(2, 2)
-    assert kmath.pi_correction(zero, g) == 1.0
-    assert kmath.pi_correction(a, torch.zeros(3, 3)) == 1.0
-    inf = torch.diag(torch.tensor([math.inf, 1.0]))
-    assert kmath.pi_correction(inf, g) == 1.0
+    pi = kmath.pi_correction(a, g)
+    assert pi.dim() == 0
+    assert float(pi) == pytest.approx(0.5, rel=1e-15)
+    zero = torch.zeros(2, 2, dtype=F64)
+    assert float(kmath.pi_correction(zero, g)) == 1.0
+    assert float(kmath.pi_correction(a, torch.zeros(3, 3, dtype=F64))) == 1.0
+    inf = torch.diag(torch.tensor([math.inf, 1.0], dtype=F64))
+    assert float(kmath.pi_correction(inf, g)) == 1.0
+    assert float(kmath.pi_correction(-a, g)) == 1.0
+    tiny = torch.diag(torch.tensor([1e-300, 1e-300], dtype=F64))
+    huge = torch.diag(torch.tensor([1e300, 1e300], dtype=F64))
+    assert float(kmath.pi_correction(tiny, huge)) == 1.0  # ratio underflows
 
 
 def test_damped_inverse() -> None:
@@ -180,3 +202,5 @@ def test_damped_inverse_rejects_an_indefinite_matrix() -> None:
     nan = torch.full((2, 2), math.nan, dtype=F64)
     with pytest.raises(LinAlgError):
         kmath.damped_inverse(nan, 0.1, torch.float64)
+    _, info = kmath.damped_inverse_ex(bad, torch.tensor(0.1), torch.float64)
+    assert int(info) == 2  # the second pivot is not positive

@@ -216,7 +216,7 @@ def test_failed_decomposition_keeps_the_last_good_one(
     module, attr = (
         (eigen_module, 'symmetric_eigh')
         if method == 'eigen'
-        else (inverse_module, 'damped_inverse')
+        else (inverse_module, 'damped_inverse_ex')
     )
     monkeypatch.setattr(
         module,
@@ -281,3 +281,72 @@ def test_nonfinite_preconditioned_gradient_keeps_the_original(
     assert precon.metrics()['nonfinite_gradients'] == 1
     assert 'preconditioned gradient of fc1 is not finite' in caplog.text
     assert torch.isfinite(grad_matrix(model.fc2)).all()
+
+
+def test_failed_cholesky_without_an_exception_is_retried(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``cholesky_ex`` reports failure through ``info``, not by raising."""
+    original = kmath.damped_inverse_ex
+
+    def cholesky_reports_failure(
+        matrix: torch.Tensor, shift: Any, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        inverse, info = original(matrix, shift, dtype)
+        if dtype == torch.float32:  # finite garbage, failure in info only
+            return torch.ones_like(inverse), torch.ones_like(info)
+        return inverse, info
+
+    torch.manual_seed(0)
+    model = TinyMLP()
+    plain = copy.deepcopy(model)
+    x, y = classification_data(8, (6,))
+    reference = KFACPreconditioner(plain, compute_method='inverse')
+    F.cross_entropy(plain(x.float()), y).backward()
+    reference.step()
+    monkeypatch.setattr(
+        inverse_module, 'damped_inverse_ex', cholesky_reports_failure
+    )
+    precon = KFACPreconditioner(model, compute_method='inverse')
+    F.cross_entropy(model(x.float()), y).backward()
+    precon.step()
+    for name, layer in precon.layers.items():
+        assert layer.counters['decomposition_retries'] == 2  # A and G
+        for factor, other in zip(
+            layer.factors, reference.layers[name].factors
+        ):
+            (inverse,) = factor.decomposition  # type: ignore[misc]
+            (expected,) = other.decomposition  # type: ignore[misc]
+            assert inverse.dtype == torch.float32
+            torch.testing.assert_close(inverse, expected, rtol=1e-4, atol=0)
+
+
+def test_outer_product_without_a_eigenvalues_counts_g_as_failed(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A fails in every attempt at the first decomposition; G succeeds but
+    cannot form ``1/(d_G d_Aᵀ + λ)``: counted as a failure, no crash.
+    """
+    original = kmath.symmetric_eigh
+
+    def eigh_fails_on_a(
+        matrix: torch.Tensor, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if matrix.shape[0] == 7:  # fc1's A: 6 inputs and the bias
+            raise LinAlgError('injected failure')
+        return original(matrix, dtype)
+
+    monkeypatch.setattr(eigen_module, 'symmetric_eigh', eigh_fails_on_a)
+    model = TinyMLP().double()
+    precon = KFACPreconditioner(model, kl_clip=None)
+    model.zero_grad()
+    x, y = classification_data(8, (6,))
+    F.cross_entropy(model(x), y).backward()
+    raw = grad_matrix(model.fc1).clone()
+    precon.step()
+    layer = precon.layers['fc1']
+    assert layer.a.decomposition is None
+    assert layer.g.decomposition is None
+    assert layer.counters['decomposition_failures'] == 2
+    assert torch.equal(grad_matrix(model.fc1), raw)
+    assert precon.layers['fc2'].has_decomposition

@@ -33,10 +33,19 @@ JITTER = 1e-6
 LOSS_REDUCTIONS = ('mean', 'sum')
 
 
-def all_finite(tensors: tuple[torch.Tensor, ...]) -> bool:
-    """Whether every entry of every tensor is finite (one host sync)."""
+#: One decomposition attempt: its tensors and a 0-d bool tensor (on the
+#: device: no host synchronisation) telling whether they are valid; None
+#: when the attempt raised ``LinAlgError``.
+Attempt = tuple[tuple[torch.Tensor, ...], torch.Tensor] | None
+#: What :meth:`KFACBaseLayer._decompose` returns: the tensors, and a 0-d bool
+#: tensor when the routine reports success or failure itself.
+Decomposed = tuple[tuple[torch.Tensor, ...], torch.Tensor | None]
+
+
+def all_finite(tensors: tuple[torch.Tensor, ...]) -> torch.Tensor:
+    """0-d bool tensor: whether every entry of every tensor is finite."""
     flags = [torch.isfinite(t).all() for t in tensors]
-    return bool(torch.stack(flags).all())
+    return torch.stack(flags).all()
 
 
 class KFACBaseLayer(abc.ABC):
@@ -105,6 +114,8 @@ class KFACBaseLayer(abc.ABC):
         self.grad: torch.Tensor | None = None
         #: The gradient matrix ``V`` read by :meth:`precondition_grad`.
         self.raw_grad: torch.Tensor | None = None
+        #: Whether factor ``A`` was ever decomposed on this rank.
+        self._a_tried = False
         #: Fault counters: ``decomposition_retries``,
         #: ``decomposition_failures``, ``unpreconditioned_steps``,
         #: ``nonfinite_gradients`` (absent until the first event).
@@ -225,36 +236,109 @@ class KFACBaseLayer(abc.ABC):
         fail, the last good decomposition is kept (none: the layer's
         gradient goes unpreconditioned) and the failure is counted.
 
+        This is :meth:`try_decomposition` followed by
+        :meth:`finish_decomposition`; the preconditioner calls those two
+        itself so that one host synchronisation checks all the factors it
+        decomposes.
+
         Returns:
             Whether a new decomposition was stored.
         """
-        value = self.factor(name).value
-        if value is None:
-            raise RuntimeError(f'factor {name} of {self} has no value yet')
+        first = self.try_decomposition(name, damping)
+        valid = first is not None and bool(first[1])
+        return self.finish_decomposition(name, damping, first, valid)
+
+    def _attempts(self) -> list[tuple[torch.dtype, float]]:
+        """``(dtype, relative jitter)`` of each attempt, in order."""
         attempts = [(self.decomposition_dtype, 0.0)]
         if self.decomposition_dtype != torch.float64:
             attempts.append((torch.float64, 0.0))
         attempts.append((torch.float64, JITTER))
-        for attempt, (dtype, jitter) in enumerate(attempts):
-            matrix = value.to(dtype)
-            if jitter:
-                scale = float(torch.diagonal(matrix).mean().abs()) + 1e-30
-                eye = torch.eye(
-                    matrix.shape[0], dtype=dtype, device=self.device
-                )
-                matrix = matrix + jitter * scale * eye
-            try:
-                tensors = self._decompose(name, matrix, dtype, damping)
-            except LinAlgError:
-                continue
-            if all_finite(tensors):
-                self.factor(name).decomposition = tuple(
-                    t.to(self.inv_dtype) for t in tensors
-                )
+        return attempts
+
+    def try_decomposition(
+        self,
+        name: str,
+        damping: float,
+        attempt: int = 0,
+    ) -> Attempt:
+        """Run one attempt of decomposing factor ``name``; store nothing.
+
+        The first attempt (``attempt=0``) needs no host synchronisation
+        beyond what the decomposition routine itself does.
+        """
+        value = self.factor(name).value
+        if value is None:
+            raise RuntimeError(f'factor {name} of {self} has no value yet')
+        dtype, jitter = self._attempts()[attempt]
+        matrix = value.to(dtype)
+        if jitter:
+            scale = float(torch.diagonal(matrix).mean().abs()) + 1e-30
+            eye = torch.eye(matrix.shape[0], dtype=dtype, device=self.device)
+            matrix = matrix + jitter * scale * eye
+        if name == 'A':
+            self._a_tried = True
+        try:
+            tensors, ok = self._decompose(name, matrix, dtype, damping)
+        except LinAlgError:
+            return None
+        valid = all_finite(tensors)
+        return tensors, valid if ok is None else valid & ok
+
+    def finish_decomposition(
+        self,
+        name: str,
+        damping: float,
+        first: Attempt,
+        valid: bool,
+    ) -> bool:
+        """Store the first attempt if ``valid``, else retry (see
+        :meth:`compute_decomposition`).
+
+        Args:
+            name: ``'A'`` or ``'G'``.
+            damping: the damping in force.
+            first: what :meth:`try_decomposition` returned for attempt 0.
+            valid: ``first``'s validity flag, read on the host.
+
+        Returns:
+            Whether a new decomposition was stored.
+        """
+        if valid and first is not None and self._store(name, first, damping):
+            return True
+        for attempt in range(1, len(self._attempts())):
+            result = self.try_decomposition(name, damping, attempt)
+            if (
+                result is not None
+                and bool(result[1])
+                and self._store(name, result, damping)
+            ):
                 self.counters['decomposition_retries'] += attempt
                 return True
         self.counters['decomposition_failures'] += 1
         return False
+
+    def _store(self, name: str, result: Attempt, damping: float) -> bool:
+        """Keep a valid attempt; False if it cannot be completed."""
+        assert result is not None  # the caller checked
+        final = self._finalize(name, result[0], damping)
+        if final is None:
+            return False
+        self.factor(name).decomposition = tuple(
+            t.to(self.inv_dtype) for t in final
+        )
+        return True
+
+    def _finalize(
+        self,
+        name: str,
+        tensors: tuple[torch.Tensor, ...],
+        damping: float,
+    ) -> tuple[torch.Tensor, ...] | None:
+        """Turn a valid attempt into the stored decomposition (None: it
+        depends on another factor's decomposition, which failed).
+        """
+        return tensors
 
     @abc.abstractmethod
     def _decompose(
@@ -263,8 +347,12 @@ class KFACBaseLayer(abc.ABC):
         matrix: torch.Tensor,
         dtype: torch.dtype,
         damping: float,
-    ) -> tuple[torch.Tensor, ...]:
+    ) -> Decomposed:
         """Decompose ``matrix`` (factor ``name``) computing in ``dtype``.
+
+        Returns:
+            The tensors, and None or a 0-d bool tensor: whether the routine
+            reported success (finiteness is checked by the caller).
 
         Raises:
             torch.linalg.LinAlgError: the decomposition failed.

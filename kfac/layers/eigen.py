@@ -6,6 +6,7 @@ from typing import Any
 
 import torch
 
+from kfac.layers.base import Decomposed
 from kfac.layers.base import KFACBaseLayer
 from kfac.layers.modules import ModuleHelper
 from kfac.math import eigen_precondition
@@ -50,19 +51,29 @@ class KFACEigenLayer(KFACBaseLayer):
         matrix: torch.Tensor,
         dtype: torch.dtype,
         damping: float,
-    ) -> tuple[torch.Tensor, ...]:
-        q, d = symmetric_eigh(matrix, dtype)
+    ) -> Decomposed:
+        return symmetric_eigh(matrix, dtype), None  # eigh raises on failure
+
+    def _finalize(
+        self,
+        name: str,
+        tensors: tuple[torch.Tensor, ...],
+        damping: float,
+    ) -> tuple[torch.Tensor, ...] | None:
         if not self.prediv_eigenvalues:
-            return (q, d)
+            return tensors
+        q, d = tensors
         if name == 'A':
             self._da = d.to(self.inv_dtype)
             return (q,)
         if self._da is None:
+            if self._a_tried:  # every attempt on A failed: no eigenvalues
+                return None
             raise RuntimeError(
                 f'{self}: with compute_eigenvalue_outer_product the A '
                 'factor must be decomposed on the same rank before G',
             )
-        return (q, eigenvalue_outer_product(d, self._da.to(dtype), damping))
+        return (q, eigenvalue_outer_product(d, self._da.to(d.dtype), damping))
 
     @property
     def decomposition_format(self) -> str:

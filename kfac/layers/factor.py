@@ -109,9 +109,12 @@ class KroneckerFactor:
         if total is None:
             return None
         finite = torch.isfinite(total.sum())
-        total.masked_fill_(~finite, 0.0)
+        # Zero the non-finite entries, then weight the batch by 0 if it had
+        # any: two passes, no host synchronisation.
+        total.nan_to_num_(0.0, 0.0, 0.0)
+        keep = finite.to(total.dtype)
         self._previous = (self.value,)
-        value = running_average(self.value, total, decay, 1.0 / count)
+        value = running_average(self.value, total, decay, 1.0 / count, keep)
         self.value = value.to(self.dtype)
         return finite
 

@@ -6,8 +6,9 @@ import math
 
 import torch
 
+from kfac.layers.base import Decomposed
 from kfac.layers.base import KFACBaseLayer
-from kfac.math import damped_inverse
+from kfac.math import damped_inverse_ex
 from kfac.math import inverse_precondition
 from kfac.math import pi_correction
 
@@ -26,14 +27,15 @@ class KFACInverseLayer(KFACBaseLayer):
         matrix: torch.Tensor,
         dtype: torch.dtype,
         damping: float,
-    ) -> tuple[torch.Tensor, ...]:
+    ) -> Decomposed:
         a, g = self.a.value, self.g.value
         if a is None or g is None:
             raise RuntimeError(f'{self} has no factors yet')
         pi = pi_correction(a, g)
         root = math.sqrt(damping)
         shift = pi * root if name == 'A' else root / pi
-        return (damped_inverse(matrix, shift, dtype),)
+        inverse, info = damped_inverse_ex(matrix, shift, dtype)
+        return (inverse,), info == 0
 
     @property
     def decomposition_format(self) -> str:

@@ -135,8 +135,7 @@ class ModuleHelper(abc.ABC):
         out = torch.zeros((dim, dim), dtype=dtype, device=layer_input.device)
         gram_block = out[:n, :n]
         count = 0
-        for cols in self.a_columns(layer_input.detach()):
-            cols = cols.to(dtype)
+        for cols in self.a_columns(layer_input.detach(), dtype):
             gram_block.addmm_(cols, cols.T)
             if self.has_bias:
                 out[:n, n] += cols.sum(dim=1)
@@ -172,9 +171,16 @@ class ModuleHelper(abc.ABC):
         return cols @ cols.T, n
 
     @abc.abstractmethod
-    def a_columns(self, layer_input: torch.Tensor) -> Iterator[torch.Tensor]:
-        """Input vectors as column blocks ``(in, r)``: one column per example
-        and position, in blocks of bounded size.
+    def a_columns(
+        self,
+        layer_input: torch.Tensor,
+        dtype: torch.dtype,
+    ) -> Iterator[torch.Tensor]:
+        """Input vectors as column blocks ``(in, r)`` in ``dtype``.
+
+        One column per example and position, in blocks of bounded size. A
+        block may be overwritten by the next one: use it before asking for
+        the next.
         """
 
     @abc.abstractmethod
@@ -202,8 +208,9 @@ class LinearModuleHelper(ModuleHelper):
     def a_columns(  # noqa: D102
         self,
         layer_input: torch.Tensor,
+        dtype: torch.dtype,
     ) -> Iterator[torch.Tensor]:
-        yield layer_input.reshape(-1, layer_input.shape[-1]).T
+        yield layer_input.reshape(-1, layer_input.shape[-1]).to(dtype).T
 
     def g_columns(  # noqa: D102
         self,
@@ -254,6 +261,7 @@ class Conv2dModuleHelper(ModuleHelper):
     def a_columns(  # noqa: D102
         self,
         layer_input: torch.Tensor,
+        dtype: torch.dtype,
     ) -> Iterator[torch.Tensor]:
         m = self.module
         x = layer_input if layer_input.dim() == 4 else layer_input[None]
@@ -261,18 +269,29 @@ class Conv2dModuleHelper(ModuleHelper):
         if any(pads):
             mode = 'constant' if m.padding_mode == 'zeros' else m.padding_mode
             x = F.pad(x, pads, mode=mode)
-        # Unfold a few examples at a time: patches are kh·kw times larger
-        # than the input, and small blocks stay in reused memory.
-        per_example = max(1, x[0].numel() * math.prod(m.kernel_size))
-        chunk = max(1, PATCH_BLOCK_ELEMENTS // per_example)
-        for block in x.split(chunk):
-            patches = F.unfold(
-                block,
-                kernel_size=m.kernel_size,
-                dilation=m.dilation,
-                stride=m.stride,
-            )  # (n, C*kh*kw, L)
-            yield patches.transpose(0, 1).reshape(patches.shape[1], -1)
+        n, channels, height, width = x.shape
+        (kh, kw), (dh, dw), (sh, sw) = m.kernel_size, m.dilation, m.stride
+        oh = (height - dh * (kh - 1) - 1) // sh + 1
+        ow = (width - dw * (kw - 1) - 1) // sw + 1
+        # Patches are kh·kw times larger than the input: build them a few
+        # examples at a time in one reused buffer, laid out (C, kh, kw,
+        # examples, H', W') so that each kernel offset is one strided copy
+        # of a shifted slice and the block is the (in, r) matrix as it is.
+        per_example = max(1, channels * kh * kw * oh * ow)
+        chunk = max(1, min(n, PATCH_BLOCK_ELEMENTS // per_example))
+        buffer = x.new_empty(per_example * chunk, dtype=dtype)
+        for start in range(0, n, chunk):
+            block = x[start : start + chunk].transpose(0, 1)
+            count = block.shape[1]
+            patches = buffer[: per_example * count].view(
+                channels, kh, kw, count, oh, ow
+            )
+            for i in range(kh):
+                rows = slice(i * dh, i * dh + sh * (oh - 1) + 1, sh)
+                for j in range(kw):
+                    cols = slice(j * dw, j * dw + sw * (ow - 1) + 1, sw)
+                    patches[:, i, j].copy_(block[:, :, rows, cols])
+            yield patches.view(channels * kh * kw, count * oh * ow)
 
     def g_columns(  # noqa: D102
         self,

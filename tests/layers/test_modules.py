@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+from typing import Literal
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -191,15 +193,28 @@ def test_repr_names_module() -> None:
     assert 'Linear' in repr(LinearModuleHelper(nn.Linear(2, 2)))
 
 
+@pytest.mark.parametrize(
+    ('block_elements', 'padding_mode'),
+    [
+        (1, 'zeros'),  # one example per block
+        (2 * 2 * 9 * 4 * 3, 'zeros'),  # blocks of 2, the last one partial
+        (2 * 2 * 9 * 4 * 3, 'reflect'),
+        (2**21, 'circular'),  # one block
+    ],
+)
 def test_conv_factors_in_small_blocks_equal_definition(
     monkeypatch: pytest.MonkeyPatch,
+    block_elements: int,
+    padding_mode: Literal['zeros', 'reflect', 'circular'],
 ) -> None:
-    """Unfolding a few examples at a time gives the same sums."""
+    """Building patches a few examples at a time gives the same sums."""
     from kfac.layers import modules
 
-    monkeypatch.setattr(modules, 'PATCH_BLOCK_ELEMENTS', 1)  # one per block
+    monkeypatch.setattr(modules, 'PATCH_BLOCK_ELEMENTS', block_elements)
     torch.manual_seed(3)
-    conv = nn.Conv2d(2, 3, 3, stride=2, padding=1).double()
+    conv = nn.Conv2d(
+        2, 3, 3, stride=2, padding=1, padding_mode=padding_mode
+    ).double()
     x = torch.randn(5, 2, 7, 6, dtype=F64)
     gout = torch.randn_like(conv(x))
     a, g = factors(Conv2dModuleHelper(conv), x, gout)
