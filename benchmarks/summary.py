@@ -4,6 +4,7 @@ the floor of every phase.
 
 from __future__ import annotations
 
+import collections
 import statistics
 from typing import Any
 
@@ -18,6 +19,7 @@ from benchmarks.floor import step_work
 from benchmarks.harness import CONFIGS
 from benchmarks.harness import Config
 from benchmarks.harness import Runner
+from benchmarks.harness import Sample
 from benchmarks.harness import cycle_kinds
 from benchmarks.harness import interleave
 from benchmarks.harness import kind_medians
@@ -86,8 +88,29 @@ def _phase_names(runner: Runner) -> list[str]:
     return [*PHASES, *sorted(seen - set(PHASES))]
 
 
+def paired_ratios(
+    samples: list[Sample],
+    sgd_seconds: list[float],
+) -> dict[str, float]:
+    """Per kind: the median over rounds of a step's time over the SGD step
+    of the same round.
+
+    The ``i``-th timed step of every configuration runs in round ``i``
+    (:func:`~benchmarks.harness.interleave`), so each ratio compares steps
+    taken under the same load of the shared machine.
+    """
+    by_kind: dict[str, list[float]] = collections.defaultdict(list)
+    for sample, sgd in zip(samples, sgd_seconds):
+        by_kind[sample.kind].append(sample.seconds / sgd)
+    return {kind: statistics.median(v) for kind, v in by_kind.items()}
+
+
 def _fi_fallbacks(runners: list[Runner]) -> dict[str, dict[str, float]]:
-    """Per method: the ``'fi'`` medians of the runner with most of them."""
+    """Per method: the ``'fi'`` medians of the runner with most of them,
+    with their ratio to SGD paired by round (``'paired_ratio'``).
+    """
+    sgd = next(r for r in runners if r.config.method is None)
+    sgd_times = [s.seconds for s in sgd.samples]
     found: dict[str, dict[str, float]] = {}
     for runner in runners:
         method = runner.config.method
@@ -95,7 +118,8 @@ def _fi_fallbacks(runners: list[Runner]) -> dict[str, dict[str, float]]:
         if method is None or medians is None:
             continue
         if medians['n'] > found.get(method, {}).get('n', 0.0):
-            found[method] = medians
+            ratio = paired_ratios(runner.samples, sgd_times)['fi']
+            found[method] = {**medians, 'paired_ratio': ratio}
     return found
 
 
@@ -122,7 +146,9 @@ def summarise(
             'loss': runner.losses[-1],
         }
         if runner.config.method is not None:
-            entry.update(_kfac(runner, shapes, rates, base, fallbacks))
+            entry.update(
+                _kfac(runner, shapes, rates, base, fallbacks, sgd_times)
+            )
         configs[runner.config.name] = entry
     return {'sgd_seconds': base, 'full_cycle': full_cycle, 'configs': configs}
 
@@ -133,12 +159,15 @@ def _kfac(
     rates: Rates,
     base: dict[str, float],
     fallbacks: dict[str, dict[str, float]],
+    sgd_times: list[float],
 ) -> dict[str, Any]:
     config = runner.config
     assert config.method is not None
     medians = kind_medians(runner.samples)
+    paired = paired_ratios(runner.samples, sgd_times)
     if 'fi' not in medians and config.method in fallbacks:
         medians['fi'] = fallbacks[config.method]
+        paired['fi'] = fallbacks[config.method]['paired_ratio']
     kinds = cycle_kinds(config, CYCLE)
     missing = [k for k in kinds if not medians.get(k)]
     if missing:
@@ -154,6 +183,7 @@ def _kfac(
     cycle: dict[str, float] = {
         'composed_seconds': composed['step'],
         'ratio_composed': composed['step'] / base['median'],
+        'ratio_paired': sum(kinds[k] * paired[k] for k in kinds) / CYCLE,
     }
     phase_seconds = {p: composed[p] for p in names}
     measured = [s for s in runner.samples if 1 <= s.step <= CYCLE]
@@ -165,9 +195,7 @@ def _kfac(
             p: sum(s.phases.get(p, 0.0) for s in measured) / CYCLE
             for p in names
         }
-    cycle['ratio_to_sgd'] = cycle.get(
-        'ratio_measured', cycle['ratio_composed']
-    )
+    cycle['ratio_to_sgd'] = cycle.get('ratio_measured', cycle['ratio_paired'])
     phases = _phases(config.method, config, shapes, rates, phase_seconds)
     floor = sum(p['floor_seconds'] or 0.0 for p in phases.values())
     if 'measured_seconds' in cycle:

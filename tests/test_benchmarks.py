@@ -24,6 +24,7 @@ from benchmarks.floor import phase_work
 from benchmarks.floor import step_work
 from benchmarks.harness import CONFIGS
 from benchmarks.harness import Config
+from benchmarks.harness import Sample
 from benchmarks.harness import cycle_kinds
 from benchmarks.harness import spread
 from benchmarks.harness import step_kind
@@ -36,6 +37,7 @@ from benchmarks.scaling import load_balance
 from benchmarks.scaling import make_plan
 from benchmarks.shapes import bert_large_shapes
 from benchmarks.shapes import resnet50_shapes
+from benchmarks.summary import paired_ratios
 from benchmarks.summary import run_model
 from kfac.layers.base import KFACBaseLayer
 from kfac.layers.eigen import KFACEigenLayer
@@ -299,6 +301,19 @@ def test_traffic_conserves_bytes_and_agrees_with_counted(
     assert torch.equal(sent, recv)
 
 
+def test_paired_ratios_compare_steps_of_the_same_round() -> None:
+    # SGD's rounds 2 and 4 ran under twice the load; so did K-FAC's.
+    sgd = [1.0, 2.0, 1.0, 2.0, 1.0]
+    kinds = ['-', '-', 'f', '-', '-']
+    kfac = [1.1, 2.2, 1.5, 2.2, 1.1]
+    samples = [
+        Sample(step=i + 1, kind=k, seconds=t, phases={})
+        for i, (k, t) in enumerate(zip(kinds, kfac))
+    ]
+    ratios = paired_ratios(samples, sgd)
+    assert ratios == {'-': pytest.approx(1.1), 'f': pytest.approx(1.5)}
+
+
 # --------------------------------------------------------------------------
 # The harness end to end on the MLP (a smoke test: no time is asserted).
 
@@ -324,6 +339,7 @@ def test_run_model_and_report_smoke() -> None:
         if name == 'sgd':
             continue
         assert entry['cycle']['ratio_to_sgd'] > 0
+        assert entry['cycle']['ratio_paired'] > 0
         assert entry['memory']['memory_usage']['total'] > 0
         phases = entry['phases']
         assert phases['precondition']['floor_seconds'] > 0
