@@ -478,11 +478,8 @@ class KFACBaseLayer(abc.ABC):
         """Write :attr:`grad` (times ``scale``) into ``.grad`` and clear it."""
         grad = self.grad
         self.grad = self.raw_grad = None
-        if grad is None:
-            return
-        if scale is not None:
-            grad = grad.mul_(scale)
-        self.module.set_grad(grad)
+        if grad is not None:
+            self.module.set_grad(grad, scale)
 
     # Introspection ---------------------------------------------------------
 

@@ -98,22 +98,26 @@ class ModuleHelper(abc.ABC):
             v = torch.cat([v, bgrad.reshape(-1, 1)], dim=1)
         return v
 
-    def set_grad(self, grad: torch.Tensor) -> None:
-        """Write ``V`` (shape ``(out, in[+1])``) back into ``.grad``."""
-        weight = self.weight
+    def set_grad(
+        self,
+        grad: torch.Tensor,
+        scale: torch.Tensor | None = None,
+    ) -> None:
+        """Write ``V`` (shape ``(out, in[+1])``) times ``scale`` into
+        ``.grad``.
+
+        An existing contiguous ``.grad`` is written in one pass (the scaled
+        product goes straight into it); otherwise a new ``.grad`` is made.
+
+        Args:
+            grad: ``V``.
+            scale: optional 0-d multiplier (the KL clip).
+        """
         bias = self.bias
-        wpart = grad[:, : self.in_features] if bias is not None else grad
-        wpart = wpart.reshape(weight.shape).to(weight.dtype)
-        if weight.grad is None:
-            weight.grad = wpart.clone()
-        else:
-            weight.grad.copy_(wpart)
+        columns = grad[:, : self.in_features] if bias is not None else grad
+        _write(self.weight, columns, scale)
         if bias is not None:
-            bpart = grad[:, -1].reshape(bias.shape).to(bias.dtype)
-            if bias.grad is None:
-                bias.grad = bpart.clone()
-            else:
-                bias.grad.copy_(bpart)
+            _write(bias, grad[:, -1], scale)
 
     def a_statistic(
         self,
@@ -195,6 +199,29 @@ class ModuleHelper(abc.ABC):
     @abc.abstractmethod
     def batch_size(self, tensor: torch.Tensor) -> int:
         """Number of examples ``N`` in an input or output-gradient tensor."""
+
+
+def _write(
+    param: torch.Tensor,
+    value: torch.Tensor,
+    scale: torch.Tensor | None,
+) -> None:
+    """``param.grad = scale · value`` (reshaped), reusing ``param.grad``."""
+    target = param.grad
+    if target is not None and target.is_contiguous():
+        view = target.view(value.shape)
+        if scale is None:
+            view.copy_(value)
+        else:
+            torch.mul(value, scale, out=view)
+        return
+    new = (value.clone() if scale is None else value * scale).reshape(
+        param.shape
+    )
+    if target is None:
+        param.grad = new.to(param.dtype)
+    else:
+        target.copy_(new)
 
 
 class LinearModuleHelper(ModuleHelper):

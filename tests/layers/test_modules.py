@@ -169,6 +169,46 @@ def test_grad_get_and_set_round_trip(module: nn.Module) -> None:
     assert torch.equal(grad_matrix(module), new)
 
 
+@pytest.mark.parametrize('existing', ['none', 'contiguous', 'channels_last'])
+@pytest.mark.parametrize('scale', [None, 0.5])
+def test_set_grad_scales_into_any_existing_grad(
+    existing: str,
+    scale: float | None,
+) -> None:
+    torch.manual_seed(4)
+    conv = nn.Conv2d(3, 4, 3).double()
+    helper = Conv2dModuleHelper(conv)
+    if existing != 'none':
+        conv(torch.randn(2, 3, 5, 5, dtype=F64)).sum().backward()
+    if existing == 'channels_last':
+        conv.weight.grad = conv.weight.grad.contiguous(  # type: ignore[union-attr]
+            memory_format=torch.channels_last
+        )
+    before = conv.weight.grad
+    new = torch.randn(helper.grad_shape, dtype=F64)
+    factor = None if scale is None else torch.tensor(scale, dtype=F64)
+    helper.set_grad(new, factor)
+    expected = new if scale is None else new * scale
+    assert torch.equal(grad_matrix(conv), expected)
+    if before is not None:  # written in place, layout kept
+        assert conv.weight.grad is before
+    assert conv.weight.grad is not None
+    assert conv.weight.grad.shape == conv.weight.shape
+
+
+def test_set_grad_casts_to_the_parameter_dtype() -> None:
+    layer = nn.Linear(3, 2).to(torch.bfloat16)
+    helper = LinearModuleHelper(layer)
+    new = torch.randn(helper.grad_shape)
+    helper.set_grad(new, torch.tensor(2.0))  # no .grad yet: a new one
+    assert layer.weight.grad is not None
+    assert layer.weight.grad.dtype == torch.bfloat16
+    helper.set_grad(new, torch.tensor(2.0))  # into the bf16 .grad
+    torch.testing.assert_close(
+        grad_matrix(layer).float(), 2.0 * new, rtol=1e-2, atol=0
+    )
+
+
 def test_frozen_bias_is_not_part_of_the_factors() -> None:
     layer = nn.Linear(3, 2).double()
     layer.bias.requires_grad_(False)
