@@ -114,9 +114,10 @@ class ModuleHelper(abc.ABC):
             scale: optional 0-d multiplier (the KL clip).
         """
         bias = self.bias
-        columns = grad[:, : self.in_features] if bias is not None else grad
-        _write(self.weight, columns, scale)
-        if bias is not None:
+        if bias is None:
+            _write(self.weight, grad, scale)
+        else:
+            _write(self.weight, grad[:, :-1], scale)
             _write(bias, grad[:, -1], scale)
 
     def a_statistic(
