@@ -40,7 +40,7 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument(
         '--steps',
         type=int,
-        default=30,
+        default=50,
         help='timed steps of SGD and 10/100 configs (composed cycle)',
     )
     parser.add_argument(
