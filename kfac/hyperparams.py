@@ -16,8 +16,11 @@ from kfac.validation import validate_float
 from kfac.validation import validate_int
 
 IntParam = int | Callable[[int], int]
+"""An int hyperparameter, or a schedule ``step -> int``."""
 FloatParam = float | Callable[[int], float]
+"""A float hyperparameter, or a schedule ``step -> float``."""
 OptionalFloatParam = float | None | Callable[[int], float | None]
+"""A float hyperparameter that None disables, or a schedule returning one."""
 
 __all__ = [
     'Hyperparameters',

@@ -37,6 +37,8 @@ from kfac.validation import validate_int
 logger = logging.getLogger(__name__)
 
 FractionLike = float | DistributedStrategy | str
+"""A gradient worker fraction in (0, 1], a :class:`DistributedStrategy`, or
+its name."""
 
 
 def _check_fraction(value: object) -> float | DistributedStrategy:
