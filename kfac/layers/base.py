@@ -114,8 +114,6 @@ class KFACBaseLayer(abc.ABC):
         self.grad: torch.Tensor | None = None
         #: The gradient matrix ``V`` read by :meth:`precondition_grad`.
         self.raw_grad: torch.Tensor | None = None
-        #: Whether factor ``A`` was ever decomposed on this rank.
-        self._a_tried = False
         #: Fault counters: ``decomposition_retries``,
         #: ``decomposition_failures``, ``unpreconditioned_steps``,
         #: ``nonfinite_gradients`` (absent until the first event).
@@ -276,8 +274,6 @@ class KFACBaseLayer(abc.ABC):
             scale = float(torch.diagonal(matrix).mean().abs()) + 1e-30
             eye = torch.eye(matrix.shape[0], dtype=dtype, device=self.device)
             matrix = matrix + jitter * scale * eye
-        if name == 'A':
-            self._a_tried = True
         try:
             tensors, ok = self._decompose(name, matrix, dtype, damping)
         except LinAlgError:

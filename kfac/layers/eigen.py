@@ -44,6 +44,8 @@ class KFACEigenLayer(KFACBaseLayer):
             prediv_eigenvalues,
         )
         self._da: torch.Tensor | None = None
+        #: Whether factor ``A`` was ever decomposed on this rank.
+        self._a_tried = False
 
     def _decompose(
         self,
@@ -52,6 +54,8 @@ class KFACEigenLayer(KFACBaseLayer):
         dtype: torch.dtype,
         damping: float,
     ) -> Decomposed:
+        if name == 'A':
+            self._a_tried = True
         return symmetric_eigh(matrix, dtype), None  # eigh raises on failure
 
     def _finalize(
