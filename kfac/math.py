@@ -4,52 +4,52 @@ Pure functions on local tensors: nothing here communicates or knows about
 modules, hooks or ranks, and everything is tested in float64 against dense
 computations.
 
-Conventions
------------
-A supported layer computes ``s = W a + b`` with ``W`` of shape ``(out, in)``.
-When the layer has a (trainable) bias, ``a`` is extended with a constant 1
-(``ã``, length ``in + 1``) and the *gradient matrix* is
-``V = [∇W, ∇b]`` of shape ``(out, in + 1)``; without a bias ``V = ∇W``.
+## Conventions
 
-``vec`` stacks columns, so for ``V`` of shape ``(out, in + 1)``
-``vec(V) = V.T.reshape(-1)`` in PyTorch terms, and the Kronecker identity
-``(A ⊗ G) vec(V) = vec(G V A)`` holds for symmetric ``A`` and ``G``.
+A supported layer computes `s = W a + b` with `W` of shape `(out, in)`.
+When the layer has a (trainable) bias, `a` is extended with a constant 1
+(`ã`, length `in + 1`) and the *gradient matrix* is
+`V = [∇W, ∇b]` of shape `(out, in + 1)`; without a bias `V = ∇W`.
 
-Statistics, for a loss ``L = (1/N) Σ_n ℓ_n`` over the ``N`` examples of the
-(global) batch (PyTorch's default ``'mean'`` reduction):
+`vec` stacks columns, so for `V` of shape `(out, in + 1)`
+`vec(V) = V.T.reshape(-1)` in PyTorch terms, and the Kronecker identity
+`(A ⊗ G) vec(V) = vec(G V A)` holds for symmetric `A` and `G`.
 
-* the per-example output gradient is ``g_n = ∂ℓ_n/∂s_n = N ∂L/∂s_n``; with
-  ``loss_reduction='sum'`` (``L = Σ_n ℓ_n``) it is ``g_n = ∂L/∂s_n``;
-* ``A = (1/N) Σ_n ã_n ã_nᵀ`` of shape ``(in + 1, in + 1)``;
-* ``G = (1/N) Σ_n g_n g_nᵀ`` of shape ``(out, out)``.
+Statistics, for a loss `L = (1/N) Σ_n ℓ_n` over the `N` examples of the
+(global) batch (PyTorch's default `'mean'` reduction):
 
-For batch size 1 without weight sharing, ``A ⊗ G`` equals the layer's
-empirical Fisher block ``vec(∇ℓ) vec(∇ℓ)ᵀ`` exactly.
+* the per-example output gradient is `g_n = ∂ℓ_n/∂s_n = N ∂L/∂s_n`; with
+  `loss_reduction='sum'` (`L = Σ_n ℓ_n`) it is `g_n = ∂L/∂s_n`;
+* `A = (1/N) Σ_n ã_n ã_nᵀ` of shape `(in + 1, in + 1)`;
+* `G = (1/N) Σ_n g_n g_nᵀ` of shape `(out, out)`.
 
-Weight sharing (the ``T`` positions of a Linear applied to ``(N, T, in)``
-inputs, or the ``T`` spatial output positions of a convolution) follows the
+For batch size 1 without weight sharing, `A ⊗ G` equals the layer's
+empirical Fisher block `vec(∇ℓ) vec(∇ℓ)ᵀ` exactly.
+
+Weight sharing (the `T` positions of a Linear applied to `(N, T, in)`
+inputs, or the `T` spatial output positions of a convolution) follows the
 *expand* convention of Eschenhagen et al. (NeurIPS 2023):
-``A = (1/(N T)) Σ_{n,t} ã_{n,t} ã_{n,t}ᵀ`` and
-``G = (1/N) Σ_n Σ_t g_{n,t} g_{n,t}ᵀ``. Both are kept as a *sum* and a
-*count* (``N T`` rows for ``A``, ``N`` examples for ``G``) so that
+`A = (1/(N T)) Σ_{n,t} ã_{n,t} ã_{n,t}ᵀ` and
+`G = (1/N) Σ_n Σ_t g_{n,t} g_{n,t}ᵀ`. Both are kept as a *sum* and a
+*count* (`N T` rows for `A`, `N` examples for `G`) so that
 micro-batches and ranks combine exactly.
 
-Running average: ``F ← ξ F + (1 - ξ) F_batch`` with ``ξ = factor_decay``; the
-first update sets ``F = F_batch``.
+Running average: `F ← ξ F + (1 - ξ) F_batch` with `ξ = factor_decay`; the
+first update sets `F = F_batch`.
 
-Damping ``λ``:
+Damping `λ`:
 
-* EIGEN applies ``(A ⊗ G + λ I)⁻¹`` exactly through the eigendecompositions
-  ``A = Q_A diag(d_A) Q_Aᵀ`` and ``G = Q_G diag(d_G) Q_Gᵀ``:
-  ``V' = Q_G [(Q_Gᵀ V Q_A) / (d_G d_Aᵀ + λ)] Q_Aᵀ``.
+* EIGEN applies `(A ⊗ G + λ I)⁻¹` exactly through the eigendecompositions
+  `A = Q_A diag(d_A) Q_Aᵀ` and `G = Q_G diag(d_G) Q_Gᵀ`:
+  `V' = Q_G [(Q_Gᵀ V Q_A) / (d_G d_Aᵀ + λ)] Q_Aᵀ`.
 * INVERSE uses factored Tikhonov damping (Martens & Grosse 2015, §6.3):
-  ``V' = (G + (√λ / π) I)⁻¹ V (A + π √λ I)⁻¹`` with
-  ``π = sqrt((tr A / dim A) / (tr G / dim G))``. The damped Kronecker
-  product has eigenvalues ``d_A d_G + λ + √λ (d_A / π + π d_G)``, so the
-  same ``λ`` damps at least as much as with EIGEN.
+  `V' = (G + (√λ / π) I)⁻¹ V (A + π √λ I)⁻¹` with
+  `π = sqrt((tr A / dim A) / (tr G / dim G))`. The damped Kronecker
+  product has eigenvalues `d_A d_G + λ + √λ (d_A / π + π d_G)`, so the
+  same `λ` damps at least as much as with EIGEN.
 
 KL clipping scales every preconditioned gradient by
-``ν = min(1, sqrt(κ / |lr² Σ_layers Σ V' ⊙ V|))``.
+`ν = min(1, sqrt(κ / |lr² Σ_layers Σ V' ⊙ V|))`.
 """
 
 from __future__ import annotations
@@ -73,15 +73,16 @@ __all__ = [
 
 
 def compute_dtype(*dtypes: torch.dtype) -> torch.dtype:
-    """Return the widest of ``dtypes`` and float32.
+    """Return the widest of `dtypes` and float32.
 
     Statistics and decompositions are never computed in a half-precision type:
     bfloat16 or float16 second moments break eigenvectors.
 
-    >>> compute_dtype(torch.bfloat16)
-    torch.float32
-    >>> compute_dtype(torch.float32, torch.float64)
-    torch.float64
+    Examples:
+        >>> compute_dtype(torch.bfloat16)
+        torch.float32
+        >>> compute_dtype(torch.float32, torch.float64)
+        torch.float64
     """
     result = torch.float32
     for dtype in dtypes:
@@ -90,7 +91,7 @@ def compute_dtype(*dtypes: torch.dtype) -> torch.dtype:
 
 
 def append_bias_ones(rows: torch.Tensor) -> torch.Tensor:
-    """Append a column of ones: ``(R, in)`` to ``(R, in + 1)``."""
+    """Append a column of ones: `(R, in)` to `(R, in + 1)`."""
     ones = rows.new_ones((rows.shape[0], 1))
     return torch.cat([rows, ones], dim=1)
 
@@ -100,15 +101,15 @@ def gram(
     dtype: torch.dtype,
     scale: float = 1.0,
 ) -> torch.Tensor:
-    """Return ``scale² · rowsᵀ rows`` computed in ``dtype``.
+    """Return `scale² · rowsᵀ rows` computed in `dtype`.
 
     Args:
-        rows: ``(R, n)`` matrix, one statistic vector per row.
+        rows: `(R, n)` matrix, one statistic vector per row.
         dtype: the floating type to compute in (at least float32).
         scale: factor applied to every row before the product.
 
     Returns:
-        ``(n, n)`` sum of outer products of the (scaled) rows.
+        `(n, n)` sum of outer products of the (scaled) rows.
 
     """
     rows = rows.to(dtype)
@@ -127,20 +128,20 @@ def running_average(
     scale: float = 1.0,
     keep: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Return ``decay · current + (1 - decay) · scale · keep · batch``.
+    """Return `decay · current + (1 - decay) · scale · keep · batch`.
 
-    Computed in ``batch``'s memory (``batch`` is overwritten and returned,
+    Computed in `batch`'s memory (`batch` is overwritten and returned,
     in its own dtype): no new matrix per update. The first update
-    (``current is None``) returns ``scale · keep · batch``: no identity bias
-    is mixed in. ``decay == 1`` returns ``current`` unchanged.
+    (`current is None`) returns `scale · keep · batch`: no identity bias
+    is mixed in. `decay == 1` returns `current` unchanged.
 
     Args:
         current: the running average, or None before the first update.
-        batch: the batch factor (or a sum to be multiplied by ``scale``).
-        decay: weight of ``current``.
-        scale: multiplier of ``batch``.
-        keep: optional 0-d tensor, 1 or 0 in ``batch``'s dtype: 0 drops the
-            batch (``batch`` must then be finite) without a host
+        batch: the batch factor (or a sum to be multiplied by `scale`).
+        decay: weight of `current`.
+        scale: multiplier of `batch`.
+        keep: optional 0-d tensor, 1 or 0 in `batch`'s dtype: 0 drops the
+            batch (`batch` must then be finite) without a host
             synchronisation.
     """
     if current is not None and decay == 1.0:
@@ -162,13 +163,13 @@ def symmetric_eigh(
     """Eigendecomposition of a symmetric positive semi-definite factor.
 
     Args:
-        factor: ``(n, n)`` symmetric matrix.
+        factor: `(n, n)` symmetric matrix.
         dtype: the dtype to compute in.
 
     Returns:
-        ``(Q, d)`` with ``Q`` of shape ``(n, n)`` (orthonormal eigenvectors as
-        columns) and ``d`` of shape ``(n,)``, eigenvalues clamped at 0 (a PSD
-        factor's negative eigenvalues are rounding error).
+        Q: `(n, n)`, the orthonormal eigenvectors as columns.
+        d: `(n,)`, the eigenvalues clamped at 0 (a PSD factor's negative
+            eigenvalues are rounding error).
 
     """
     d, q = torch.linalg.eigh(factor.to(dtype))
@@ -180,7 +181,7 @@ def eigenvalue_outer_product(
     da: torch.Tensor,
     damping: float,
 ) -> torch.Tensor:
-    """Return ``1 / (d_G d_Aᵀ + λ)`` of shape ``(out, in[+1])``."""
+    """Return `1 / (d_G d_Aᵀ + λ)` of shape `(out, in[+1])`."""
     return torch.outer(dg, da).add_(damping).reciprocal_()
 
 
@@ -190,16 +191,17 @@ def eigen_precondition(
     qg: torch.Tensor,
     scale: torch.Tensor,
 ) -> torch.Tensor:
-    """Return ``Q_G [(Q_Gᵀ V Q_A) ⊙ scale] Q_Aᵀ``.
+    """Return `Q_G [(Q_Gᵀ V Q_A) ⊙ scale] Q_Aᵀ`.
 
-    With ``scale = 1 / (d_G d_Aᵀ + λ)`` (:func:`eigenvalue_outer_product`)
-    this is ``(A ⊗ G + λ I)⁻¹ vec(V)`` reshaped to ``V``'s shape.
+    With `scale = 1 / (d_G d_Aᵀ + λ)`
+    ([`eigenvalue_outer_product`][kfac.math.eigenvalue_outer_product]) this is
+    `(A ⊗ G + λ I)⁻¹ vec(V)` reshaped to `V`'s shape.
 
     Args:
-        grad: ``V``, shape ``(out, in[+1])``.
-        qa: ``Q_A``, shape ``(in[+1], in[+1])``.
-        qg: ``Q_G``, shape ``(out, out)``.
-        scale: shape ``(out, in[+1])``.
+        grad: `V`, shape `(out, in[+1])`.
+        qa: `Q_A`, shape `(in[+1], in[+1])`.
+        qg: `Q_G`, shape `(out, out)`.
+        scale: shape `(out, in[+1])`.
 
     """
     v = qg.T @ grad @ qa
@@ -208,9 +210,9 @@ def eigen_precondition(
 
 
 def pi_correction(a: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
-    """Return ``π = sqrt((tr A / dim A) / (tr G / dim G))`` as a 0-d tensor.
+    """Return `π = sqrt((tr A / dim A) / (tr G / dim G))` as a 0-d tensor.
 
-    Falls back to ``π = 1`` (plain Tikhonov split) when either normalised
+    Falls back to `π = 1` (plain Tikhonov split) when either normalised
     trace or their ratio is not a positive finite number, e.g. for an
     all-zero factor. Computed on the factors' device without a host
     synchronisation.
@@ -227,11 +229,11 @@ def damped_inverse_ex(
     shift: float | torch.Tensor,
     dtype: torch.dtype,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Return ``((F + shift · I)⁻¹, info)`` without a host synchronisation.
+    """Return `((F + shift · I)⁻¹, info)` without a host synchronisation.
 
-    ``info`` (0-d int tensor) is 0 when the damped factor was positive
+    `info` (0-d int tensor) is 0 when the damped factor was positive
     definite; otherwise the inverse is meaningless. See
-    :func:`damped_inverse`.
+    [`damped_inverse`][kfac.math.damped_inverse].
     """
     damped = factor.to(dtype=dtype, copy=True)
     damped.diagonal().add_(shift)
@@ -245,13 +247,13 @@ def damped_inverse(
     shift: float | torch.Tensor,
     dtype: torch.dtype,
 ) -> torch.Tensor:
-    """Return ``(F + shift · I)⁻¹`` computed in ``dtype``, symmetric.
+    """Return `(F + shift · I)⁻¹` computed in `dtype`, symmetric.
 
     Uses the Cholesky factorisation of the (positive definite) damped
-    factor; ``cholesky_inverse`` returns an exactly symmetric matrix.
+    factor; `cholesky_inverse` returns an exactly symmetric matrix.
 
     Args:
-        factor: ``(n, n)`` symmetric positive semi-definite matrix.
+        factor: `(n, n)` symmetric positive semi-definite matrix.
         shift: positive diagonal shift (a float or a 0-d tensor).
         dtype: the dtype to compute in.
 
@@ -272,7 +274,7 @@ def inverse_precondition(
     a_inv: torch.Tensor,
     g_inv: torch.Tensor,
 ) -> torch.Tensor:
-    """Return ``G⁻¹ V A⁻¹`` for ``V`` of shape ``(out, in[+1])``."""
+    """Return `G⁻¹ V A⁻¹` for `V` of shape `(out, in[+1])`."""
     return g_inv @ grad @ a_inv
 
 
@@ -281,15 +283,15 @@ def kl_clip_scale(
     lr: float,
     kl_clip: float,
 ) -> torch.Tensor:
-    """Return ``ν = min(1, sqrt(κ / |lr² · vg_sum|))`` as a 0-d tensor.
+    """Return `ν = min(1, sqrt(κ / |lr² · vg_sum|))` as a 0-d tensor.
+
+    A zero `vg_sum` gives `ν = 1`. Computed without a host
+    synchronisation.
 
     Args:
-        vg_sum: ``Σ V' ⊙ V`` over all preconditioned layers (0-d tensor).
+        vg_sum: `Σ V' ⊙ V` over all preconditioned layers (0-d tensor).
         lr: the optimizer's learning rate.
-        kl_clip: ``κ``.
-
-    A zero ``vg_sum`` gives ``ν = 1``. Computed without a host
-    synchronisation.
+        kl_clip: `κ`.
 
     """
     denom = (vg_sum * (lr * lr)).abs()

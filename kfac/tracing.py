@@ -1,7 +1,7 @@
 """Wall-clock time of each phase of the K-FAC step, for benchmarks.
 
 Disabled by default (no cost). Enable with
-``preconditioner.timer = PhaseTimer()``; pass ``sync=torch.cuda.synchronize``
+`preconditioner.timer = PhaseTimer()`; pass `sync=torch.cuda.synchronize`
 on GPUs so asynchronous kernels are charged to the phase that launched them.
 """
 
@@ -13,7 +13,6 @@ from collections import Counter
 from collections.abc import Callable
 from collections.abc import Iterator
 
-#: Phases of one step, in order.
 PHASES = (
     'factor_capture',
     'running_average',
@@ -25,6 +24,7 @@ PHASES = (
     'kl_clip',
     'write_back',
 )
+"""Phases of one step, in order."""
 
 
 class PhaseTimer:
@@ -32,7 +32,10 @@ class PhaseTimer:
 
     Args:
         sync: called before and after each timed phase (e.g.
-            ``torch.cuda.synchronize``), or None.
+            `torch.cuda.synchronize`), or None.
+
+    Raises:
+        TypeError: `sync` is neither None nor callable.
     """
 
     def __init__(self, sync: Callable[[], None] | None = None) -> None:
@@ -44,7 +47,7 @@ class PhaseTimer:
 
     @contextlib.contextmanager
     def phase(self, name: str) -> Iterator[None]:
-        """Time the enclosed block as phase ``name``."""
+        """Time the enclosed block as phase `name`."""
         if self.sync is not None:
             self.sync()
         start = time.perf_counter()

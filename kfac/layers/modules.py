@@ -1,9 +1,9 @@
 """Uniform access to the torch modules K-FAC preconditions.
 
-A :class:`ModuleHelper` hides what differs between module types: the shapes
-of the Kronecker factors, the gradient as the ``(out, in[+1])`` matrix ``V``,
-and the rows from which ``A`` and ``G`` are formed (see :mod:`kfac.math` for
-the conventions).
+A [`ModuleHelper`][kfac.layers.modules.ModuleHelper] hides what differs between
+module types: the shapes of the Kronecker factors, the gradient as the
+`(out, in[+1])` matrix `V`, and the rows from which `A` and `G` are formed
+(see [`kfac.math`][kfac.math] for the conventions).
 """
 
 from __future__ import annotations
@@ -17,13 +17,20 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-#: Elements of unfolded convolution patches computed at once (8 MiB of
-#: float32).
 PATCH_BLOCK_ELEMENTS = 2**21
+"""Elements of unfolded convolution patches computed at once (8 MiB of
+float32)."""
 
 
 class ModuleHelper(abc.ABC):
-    """K-FAC's view of one module with a weight and an optional bias."""
+    """K-FAC's view of one module with a weight and an optional bias.
+
+    Args:
+        module: the module; it must have a `weight` tensor.
+
+    Raises:
+        TypeError: `module` is not a `torch.nn.Module` with a weight tensor.
+    """
 
     module: nn.Module
 
@@ -56,33 +63,33 @@ class ModuleHelper(abc.ABC):
 
     @property
     def has_bias(self) -> bool:
-        """Whether ``A`` includes the constant-1 input of a trained bias."""
+        """Whether `A` includes the constant-1 input of a trained bias."""
         return self.bias is not None
 
     @property
     def a_factor_shape(self) -> tuple[int, int]:
-        """Shape of ``A``: ``(in[+1], in[+1])``."""
+        """Shape of `A`: `(in[+1], in[+1])`."""
         n = self.in_features + int(self.has_bias)
         return (n, n)
 
     @property
     def g_factor_shape(self) -> tuple[int, int]:
-        """Shape of ``G``: ``(out, out)``."""
+        """Shape of `G`: `(out, out)`."""
         out = self.weight.shape[0]
         return (out, out)
 
     @property
     def grad_shape(self) -> tuple[int, int]:
-        """Shape of the gradient matrix ``V``: ``(out, in[+1])``."""
+        """Shape of the gradient matrix `V`: `(out, in[+1])`."""
         return (self.g_factor_shape[0], self.a_factor_shape[0])
 
     @property
     def in_features(self) -> int:
-        """Number of inputs each output sees (``in``)."""
+        """Number of inputs each output sees (`in`)."""
         return math.prod(self.weight.shape[1:])
 
     def get_grad(self) -> torch.Tensor | None:
-        """Return ``V = [∇W, ∇b]`` of shape ``(out, in[+1])``.
+        """Return `V = [∇W, ∇b]` of shape `(out, in[+1])`.
 
         None when the weight has no gradient in this step.
         """
@@ -103,14 +110,16 @@ class ModuleHelper(abc.ABC):
         grad: torch.Tensor,
         scale: torch.Tensor | None = None,
     ) -> None:
-        """Write ``V`` (shape ``(out, in[+1])``) times ``scale`` into
-        ``.grad``.
+        """Write `V` (times `scale`) into the parameters' `.grad`.
 
-        An existing contiguous ``.grad`` is written in one pass (the scaled
-        product goes straight into it); otherwise a new ``.grad`` is made.
+        `V` has shape `(out, in[+1])`; with a bias, its last column is the
+        bias gradient.
+
+        An existing contiguous `.grad` is written in one pass (the scaled
+        product goes straight into it); otherwise a new `.grad` is made.
 
         Args:
-            grad: ``V``.
+            grad: `V`.
             scale: optional 0-d multiplier (the KL clip).
         """
         bias = self.bias
@@ -125,10 +134,10 @@ class ModuleHelper(abc.ABC):
         layer_input: torch.Tensor,
         dtype: torch.dtype,
     ) -> tuple[torch.Tensor, int]:
-        """Return ``(Σ ã ãᵀ, number of rows)`` of one batch's inputs.
+        """Return `(Σ ã ãᵀ, number of rows)` of one batch's inputs.
 
-        The input vectors arrive as column blocks ``(in, r)``; the bias
-        entries of ``Σ ã ãᵀ`` (last row and column) are the column sums and
+        The input vectors arrive as column blocks `(in, r)`; the bias
+        entries of `Σ ã ãᵀ` (last row and column) are the column sums and
         the count, so the ones are never materialised.
 
         Args:
@@ -157,15 +166,15 @@ class ModuleHelper(abc.ABC):
         scale: float,
         per_example: bool,
     ) -> tuple[torch.Tensor, int]:
-        """Return ``(Σ g gᵀ, number of examples)`` of one batch.
+        """Return `(Σ g gᵀ, number of examples)` of one batch.
 
         Args:
             grad_output: gradient of the loss with respect to the output.
             dtype: dtype of the sum (at least float32).
-            scale: multiplier turning ``grad_output`` into ``g``, before the
+            scale: multiplier turning `grad_output` into `g`, before the
                 batch-size factor.
-            per_example: multiply by the number of examples ``N`` as well
-                (``'mean'`` loss reduction).
+            per_example: multiply by the number of examples `N` as well
+                (`'mean'` loss reduction).
         """
         n = self.batch_size(grad_output)
         if per_example:
@@ -181,7 +190,7 @@ class ModuleHelper(abc.ABC):
         layer_input: torch.Tensor,
         dtype: torch.dtype,
     ) -> Iterator[torch.Tensor]:
-        """Input vectors as column blocks ``(in, r)`` in ``dtype``.
+        """Input vectors as column blocks `(in, r)` in `dtype`.
 
         One column per example and position, in blocks of bounded size. A
         block may be overwritten by the next one: use it before asking for
@@ -195,11 +204,11 @@ class ModuleHelper(abc.ABC):
         dtype: torch.dtype,
         scale: float,
     ) -> torch.Tensor:
-        """Scaled output gradients as columns ``(out, R)`` in ``dtype``."""
+        """Scaled output gradients as columns `(out, R)` in `dtype`."""
 
     @abc.abstractmethod
     def batch_size(self, tensor: torch.Tensor) -> int:
-        """Number of examples ``N`` in an input or output-gradient tensor."""
+        """Number of examples `N` in an input or output-gradient tensor."""
 
 
 def _write(
@@ -207,7 +216,7 @@ def _write(
     value: torch.Tensor,
     scale: torch.Tensor | None,
 ) -> None:
-    """``param.grad = scale · value`` (reshaped), reusing ``param.grad``."""
+    """`param.grad = scale · value` (reshaped), reusing `param.grad`."""
     target = param.grad
     if target is not None and target.is_contiguous():
         view = target.view(value.shape)
@@ -226,10 +235,10 @@ def _write(
 
 
 class LinearModuleHelper(ModuleHelper):
-    """Helper for :class:`torch.nn.Linear` on inputs of any rank.
+    """Helper for `torch.nn.Linear` on inputs of any rank.
 
-    An input of shape ``(N, *positions, in)`` has ``N`` examples and
-    ``prod(positions)`` weight-sharing positions each; a 1-D input is one
+    An input of shape `(N, *positions, in)` has `N` examples and
+    `prod(positions)` weight-sharing positions each; a 1-D input is one
     example.
     """
 
@@ -254,12 +263,18 @@ class LinearModuleHelper(ModuleHelper):
 
 
 class Conv2dModuleHelper(ModuleHelper):
-    """Helper for :class:`torch.nn.Conv2d` with ``groups == 1``.
+    """Helper for `torch.nn.Conv2d` with `groups == 1`.
 
-    Inputs unfold into patches (respecting ``stride``, ``padding`` including
-    ``'same'``/``'valid'``, ``dilation`` and ``padding_mode``), so the layer
-    is a Linear over ``C·kh·kw`` inputs shared across the ``H'·W'`` output
+    Inputs unfold into patches (respecting `stride`, `padding` including
+    `'same'`/`'valid'`, `dilation` and `padding_mode`), so the layer
+    is a Linear over `C·kh·kw` inputs shared across the `H'·W'` output
     positions.
+
+    Args:
+        module: the convolution.
+
+    Raises:
+        ValueError: `module.groups` is not 1.
     """
 
     module: nn.Conv2d
@@ -273,7 +288,7 @@ class Conv2dModuleHelper(ModuleHelper):
         super().__init__(module)
 
     def _pad_amounts(self) -> tuple[int, int, int, int]:
-        """``F.pad`` amounts ``(left, right, top, bottom)``."""
+        """`F.pad` amounts `(left, right, top, bottom)`."""
         m = self.module
         pads: list[int] = []
         for dim in (1, 0):  # F.pad lists the last dimension first.

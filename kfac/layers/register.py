@@ -1,7 +1,8 @@
 """Finding the modules K-FAC can precondition.
 
-:data:`KNOWN_MODULES` maps supported module types (subclasses included) to
-their :class:`~kfac.layers.modules.ModuleHelper`.
+[`KNOWN_MODULES`][kfac.layers.register.KNOWN_MODULES] maps supported module
+types (subclasses included) to their
+[`ModuleHelper`][kfac.layers.modules.ModuleHelper].
 """
 
 from __future__ import annotations
@@ -19,19 +20,20 @@ from kfac.layers.modules import ModuleHelper
 
 logger = logging.getLogger(__name__)
 
-#: Supported module types and their helpers, most specific first.
 KNOWN_MODULES: dict[type[nn.Module], type[ModuleHelper]] = {
     nn.Linear: LinearModuleHelper,
     nn.Conv2d: Conv2dModuleHelper,
 }
+"""Supported module types and their helpers, most specific first."""
 
 
 def get_module_helper(module: nn.Module) -> ModuleHelper | None:
-    """Return the helper for ``module``, or None if it is not supported.
+    """Return the helper for `module`, or None if it is not supported.
 
-    A convolution with ``groups > 1`` is not supported: K-FAC would need one
+    A convolution with `groups > 1` is not supported: K-FAC would need one
     pair of factors per group. It is left to the optimizer unpreconditioned,
-    and :func:`register_modules` logs a warning naming it.
+    and [`register_modules`][kfac.layers.register.register_modules] logs a
+    warning naming it.
     """
     for module_type, helper_type in KNOWN_MODULES.items():
         if isinstance(module, module_type):
@@ -42,7 +44,7 @@ def get_module_helper(module: nn.Module) -> ModuleHelper | None:
 
 
 def compile_patterns(skip_layers: str | Iterable[str] | None) -> list[str]:
-    """Validate ``skip_layers``: None, a regex, or an iterable of regexes.
+    """Validate `skip_layers`: None, a regex, or an iterable of regexes.
 
     Raises:
         TypeError: not a string or an iterable of strings.
@@ -89,18 +91,24 @@ def register_modules(
     *,
     skip_layers: str | Iterable[str] | None = None,
 ) -> dict[str, ModuleHelper]:
-    """Find the modules of ``model`` that K-FAC preconditions.
+    """Find the modules of `model` that K-FAC preconditions.
+
+    A module is kept when it is supported, its weight requires grad and no
+    pattern skips it.
 
     Args:
-        model: the model (unwrap ``DistributedDataParallel`` first so names
+        model: the model (unwrap `DistributedDataParallel` first so names
             do not depend on the wrapper).
         skip_layers: regular expressions; a module is skipped when one
-            matches (``re.search``) its dotted name or its class name.
+            matches (`re.search`) its dotted name or its class name.
 
     Returns:
-        ``{dotted name: helper}`` in ``model.named_modules()`` order, for
-        every supported module whose weight requires grad and that no
-        pattern skips.
+        `{dotted name: helper}`, in `model.named_modules()` order.
+
+    Raises:
+        TypeError: `model` is not a `torch.nn.Module`, or `skip_layers` is
+            not a string or an iterable of strings.
+        ValueError: a pattern is not a valid regular expression.
 
     """
     if not isinstance(model, nn.Module):
