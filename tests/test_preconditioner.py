@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import copy
 import logging
+import warnings
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -292,16 +294,70 @@ def test_grad_scaler_object_is_read_once_per_step() -> None:
     assert scaler.calls == 3
 
 
-def test_amp_grad_scaler_is_accepted() -> None:
-    model = TinyMLP().double()
-    scaler = torch.amp.GradScaler('cpu', init_scale=4.0)
-    precon = KFACPreconditioner(model, grad_scaler=scaler)
+#: A loss scale whose removal is exact in floating point, and far enough
+#: from 1 that a G formed from scaled gradients (SCALE**2 too large) fails.
+LOSS_SCALE = 2.0**10
+
+
+def g_factors(
+    model: nn.Module,
+    grad_scaler: torch.amp.GradScaler | None,
+    scale_loss: Callable[[torch.Tensor], torch.Tensor],
+) -> dict[str, torch.Tensor]:
+    """G of every layer after one step on ``scale_loss(loss)``."""
+    precon = KFACPreconditioner(model, grad_scaler=grad_scaler)
     x, y = classification_data(8, (6,))
-    scaler.scale(F.cross_entropy(model(x), y)).backward()
+    scaled = scale_loss(F.cross_entropy(model(x), y))
+    scaled.backward()
     precon.step()
-    twin = TinyMLP().double()
-    twin.load_state_dict(model.state_dict())
-    assert precon.layers['fc1'].g.value is not None
+    factors = {}
+    for name, layer in precon.layers.items():
+        assert layer.g.value is not None
+        factors[name] = layer.g.value
+    return factors
+
+
+def test_amp_grad_scaler_scale_is_divided_out() -> None:
+    scaler = torch.amp.GradScaler('cpu', init_scale=LOSS_SCALE)
+    # On the CPU the scaler is live: it really multiplies the loss.
+    assert scaler.is_enabled()
+    assert (
+        float(scaler.scale(torch.tensor(1.5, dtype=F64))) == 1.5 * LOSS_SCALE
+    )
+    model = TinyMLP().double()
+    twin = copy.deepcopy(model)
+    scaled = g_factors(model, scaler, scaler.scale)
+    plain = g_factors(twin, None, lambda loss: loss)
+    assert scaled.keys() == plain.keys() == {'fc1', 'fc2'}
+    for name, g in plain.items():
+        assert_rel_close(scaled[name], g, rtol=1e-14, label='amp scaler')
+
+
+class EnabledCudaScaler(torch.cuda.amp.GradScaler):
+    """The deprecated CUDA scaler as on a GPU: enabled, scale LOSS_SCALE.
+
+    Without CUDA the real one is disabled and its scale is 1.0, which would
+    make any comparison with an unscaled run pass.
+    """
+
+    def is_enabled(self) -> bool:
+        return True
+
+    def get_scale(self) -> float:
+        return LOSS_SCALE
+
+
+def test_deprecated_cuda_grad_scaler_scale_is_divided_out() -> None:
+    with warnings.catch_warnings():
+        warnings.simplefilter('ignore')  # deprecated; CUDA missing
+        scaler = EnabledCudaScaler()
+    model = TinyMLP().double()
+    twin = copy.deepcopy(model)
+    scaled = g_factors(model, scaler, lambda loss: loss * LOSS_SCALE)
+    plain = g_factors(twin, None, lambda loss: loss)
+    assert scaled.keys() == plain.keys() == {'fc1', 'fc2'}
+    for name, g in plain.items():
+        assert_rel_close(scaled[name], g, rtol=1e-14, label='cuda scaler')
 
 
 def test_step_counts_and_repr() -> None:
@@ -373,27 +429,6 @@ def test_phase_timer_records_every_local_phase() -> None:
     assert len(syncs) == 2 * sum(timer.counts.values())
     timer.reset()
     assert not timer.seconds
-
-
-def test_deprecated_cuda_grad_scaler_is_accepted() -> None:
-    import warnings
-
-    with warnings.catch_warnings():
-        warnings.simplefilter('ignore')  # deprecated; disabled without CUDA
-        scaler = torch.cuda.amp.GradScaler()
-    model = TinyMLP().double()
-    twin = copy.deepcopy(model)
-    scaled = KFACPreconditioner(model, grad_scaler=scaler)
-    plain = KFACPreconditioner(twin)
-    backward(model)
-    backward(twin)
-    scaled.step()
-    plain.step()
-    for name, layer in plain.layers.items():
-        g = scaled.layers[name].g.value
-        assert g is not None
-        assert layer.g.value is not None
-        assert torch.equal(g, layer.g.value)
 
 
 def test_step_without_any_forward_pass_changes_nothing(
