@@ -1,73 +1,147 @@
-"""Saving and restoring a preconditioner's state.
+"""The format of a preconditioner's saved state: parse and serialise.
 
-The state is a plain dictionary of tensors, numbers, strings, lists and
-dicts, so ``torch.load(path, weights_only=True)`` reads it::
+Pure functions between the plain mapping that
+[`state_dict()`][kfac.base_preconditioner.BaseKFACPreconditioner.state_dict]
+returns and a typed, validated [`SavedState`][kfac.state.SavedState]; the
+engine builds the `SavedState` from its layers and applies a parsed one
+to them. The mapping holds only tensors, numbers, strings, lists and
+dicts, so `torch.load(path, weights_only=True)` reads it:
 
-    {
-        'version': 1,
-        'steps': int,
-        'hyperparameters': {name: value},   # the non-callable ones
-        'layers': {module name: {'A': tensor, 'G': tensor}},
-        'decompositions': {                 # optional
-            module name: {'format': str, 'A': [tensor, ...], 'G': [...]},
-        },
-    }
+```python
+{
+    'version': 1,
+    'steps': int,
+    'hyperparameters': {name: value},   # the non-callable ones
+    'layers': {module name: {'A': tensor, 'G': tensor}},
+    'decompositions': {                 # optional
+        module name: {'format': str, 'A': [tensor, ...], 'G': [...]},
+    },
+}
+```
 
-Factors are what a run cannot recompute. Decompositions are saved too (for
-the layers whose decompositions this rank holds) so that a resumed run uses
-exactly the decompositions the uninterrupted run would have used until the
-next inverse update; a layer without a compatible saved decomposition has it
-recomputed on load by its inverse workers and broadcast to its gradient
-workers.
+Factors are what a run cannot recompute. Decompositions are saved too
+(for the layers whose decompositions this rank holds) so that a resumed
+run uses exactly the decompositions the uninterrupted run would have used
+until the next inverse update; a layer without a compatible saved
+decomposition has it recomputed on load.
+
+Every change of this layout bumps [`STATE_VERSION`][kfac.state.STATE_VERSION]
+and keeps a loader for the previous version (see `CHANGELOG.md`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
-from typing import TYPE_CHECKING
-from typing import Any
+from typing import TypedDict
 
 import torch
 
-if TYPE_CHECKING:
-    from kfac.base_preconditioner import BaseKFACPreconditioner
-    from kfac.layers.base import KFACBaseLayer
-
 STATE_VERSION = 1
+"""The format version written by this version of kfac."""
+
+FACTOR_KEYS = ('A', 'G')
+"""The factor entries of a layer."""
 
 
-def preconditioner_state(
-    precon: BaseKFACPreconditioner,
-    include_decompositions: bool,
-) -> dict[str, Any]:
-    """Return the state of ``precon`` (see the module docstring)."""
+class DecompositionEntry(TypedDict):
+    """A layer's saved decomposition: its format and each factor's
+    tensors.
+    """
+
+    format: str
+    A: list[torch.Tensor]
+    G: list[torch.Tensor]
+
+
+class _RequiredEntries(TypedDict):
+    version: int
+    steps: int
+    hyperparameters: dict[str, float | int | None]
+    layers: dict[str, dict[str, torch.Tensor]]
+
+
+class StateDict(_RequiredEntries, total=False):
+    """The mapping of the module docstring (`decompositions` optional)."""
+
+    decompositions: dict[str, DecompositionEntry]
+
+
+@dataclasses.dataclass(frozen=True)
+class SavedDecomposition:
+    """A layer's decomposition as saved."""
+
+    format: str
+    """Layout name, e.g. `'eigen'`; must match the loading layer's."""
+    tensors: Mapping[str, tuple[torch.Tensor, ...]]
+    """Factor name (`'A'`, `'G'`) to its decomposition's tensors."""
+
+
+@dataclasses.dataclass(frozen=True)
+class SavedLayer:
+    """One layer's saved state."""
+
+    factors: Mapping[str, torch.Tensor]
+    """The running factors that exist, by name (`'A'`, `'G'`)."""
+    decomposition: SavedDecomposition | None = None
+    """Its decomposition, if saved (and, when parsed, compatible)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class SavedState:
+    """A preconditioner's state, typed."""
+
+    steps: int
+    """Completed steps."""
+    hyperparameters: Mapping[str, float | int | None]
+    """The hyperparameters that are constants, by name."""
+    layers: Mapping[str, SavedLayer]
+    """Per layer, by module name."""
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerSpec:
+    """What the state of one layer of the loading preconditioner must look
+    like.
+    """
+
+    factor_dims: Mapping[str, int]
+    """Factor name to its side `n` (the factor is `(n, n)`)."""
+    decomposition_format: str
+    """The layer's decomposition format."""
+    decomposition_shapes: Mapping[str, tuple[tuple[int, ...], ...]]
+    """Factor name to the shapes of its decomposition's tensors."""
+
+
+def serialize_state(
+    state: SavedState, *, include_decompositions: bool
+) -> StateDict:
+    """The mapping of `state` (tensors detached and cloned)."""
     layers: dict[str, dict[str, torch.Tensor]] = {}
-    decompositions: dict[str, dict[str, Any]] = {}
-    for name, layer in precon.layers.items():
+    decompositions: dict[str, DecompositionEntry] = {}
+    for name, layer in state.layers.items():
         layers[name] = {
-            f.name: f.value.detach().clone()
-            for f in layer.factors
-            if f.value is not None
+            key: value.detach().clone() for key, value in layer.factors.items()
         }
-        if include_decompositions and layer.has_decomposition:
-            entry: dict[str, Any] = {'format': layer.decomposition_format}
-            for f in layer.factors:
-                entry[f.name] = [
-                    t.detach().clone() for t in f.decomposition or ()
-                ]
-            decompositions[name] = entry
-    state: dict[str, Any] = {
+        saved = layer.decomposition
+        if include_decompositions and saved is not None:
+            a, g = (
+                [t.detach().clone() for t in saved.tensors[key]]
+                for key in FACTOR_KEYS
+            )
+            decompositions[name] = {'format': saved.format, 'A': a, 'G': g}
+    result: StateDict = {
         'version': STATE_VERSION,
-        'steps': precon.steps,
-        'hyperparameters': precon.hyperparameters.constants(),
+        'steps': state.steps,
+        'hyperparameters': dict(state.hyperparameters),
         'layers': layers,
     }
     if include_decompositions:
-        state['decompositions'] = decompositions
-    return state
+        result['decompositions'] = decompositions
+    return result
 
 
-def _check_header(state: Mapping[str, Any]) -> None:
+def _check_header(state: object) -> Mapping[str, object]:
     if not isinstance(state, Mapping):
         raise TypeError(
             f'state_dict must be a mapping; got {type(state).__name__}',
@@ -81,23 +155,43 @@ def _check_header(state: Mapping[str, Any]) -> None:
     for key in ('steps', 'layers', 'hyperparameters'):
         if key not in state:
             raise ValueError(f'state_dict is missing the entry {key!r}')
+    for key, kind in (('layers', Mapping), ('hyperparameters', Mapping)):
+        if not isinstance(state[key], kind):
+            raise TypeError(
+                f'state_dict entry {key!r} must be a mapping; got '
+                f'{type(state[key]).__name__}',
+            )
+    steps = state['steps']
+    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 0:
+        raise ValueError(
+            f"state_dict entry 'steps' must be an int >= 0; got {steps!r}",
+        )
+    return state
 
 
-def _factor_problems(
-    precon: BaseKFACPreconditioner,
-    saved: Mapping[str, Any],
+def _layer_problems(
+    specs: Mapping[str, LayerSpec],
+    saved: Mapping[str, object],
+    strict: bool,
 ) -> list[str]:
-    """Wrongly shaped or unexpected factor entries, as messages."""
+    """Every mismatch between `saved` layers and `specs`, as messages."""
     problems = []
-    for name in saved.keys() & precon.layers.keys():
-        layer = precon.layers[name]
-        for key, tensor in saved[name].items():
-            if key not in ('A', 'G'):
+    if strict and (unexpected := sorted(saved.keys() - specs.keys())):
+        problems.append(f'unexpected layers: {", ".join(unexpected)}')
+    if strict and (missing := sorted(specs.keys() - saved.keys())):
+        problems.append(f'missing layers: {", ".join(missing)}')
+    for name in saved.keys() & specs.keys():
+        entry = saved[name]
+        if not isinstance(entry, Mapping):
+            problems.append(f'layers.{name} is not a mapping')
+            continue
+        for key, tensor in entry.items():
+            if key not in FACTOR_KEYS:
                 problems.append(f'unexpected entry layers.{name}.{key}')
                 continue
-            dim = layer.factor(key).dim
+            dim = specs[name].factor_dims[key]
             shape = tuple(getattr(tensor, 'shape', ()))
-            if shape != (dim, dim):
+            if not isinstance(tensor, torch.Tensor) or shape != (dim, dim):
                 problems.append(
                     f'layers.{name}.{key} has shape {shape}, expected '
                     f'{(dim, dim)}',
@@ -105,93 +199,77 @@ def _factor_problems(
     return problems
 
 
-def _check_layers(
-    precon: BaseKFACPreconditioner,
-    saved: Mapping[str, Any],
+def _decomposition(
+    spec: LayerSpec, entry: object
+) -> SavedDecomposition | None:
+    """The saved decomposition if it fits `spec` exactly, else None."""
+    if not isinstance(entry, Mapping):
+        return None
+    if entry.get('format') != spec.decomposition_format:
+        return None
+    tensors = {}
+    for key in FACTOR_KEYS:
+        values = entry.get(key, [])
+        if not isinstance(values, (list, tuple)) or not all(
+            isinstance(t, torch.Tensor) for t in values
+        ):
+            return None
+        shapes = tuple(tuple(t.shape) for t in values)
+        if shapes != spec.decomposition_shapes[key]:
+            return None
+        tensors[key] = tuple(values)
+    return SavedDecomposition(spec.decomposition_format, tensors)
+
+
+def parse_state(
+    state: object,
+    specs: Mapping[str, LayerSpec],
+    *,
     strict: bool,
-) -> None:
-    missing = sorted(precon.layers.keys() - saved.keys())
-    unexpected = sorted(saved.keys() - precon.layers.keys())
-    problems = _factor_problems(precon, saved)
-    if strict and missing:
-        problems.insert(0, f'missing layers: {", ".join(missing)}')
-    if strict and unexpected:
-        problems.insert(0, f'unexpected layers: {", ".join(unexpected)}')
+) -> SavedState:
+    """Validate `state` against the loading preconditioner's layers.
+
+    Args:
+        state: what `state_dict()` returned (possibly through
+            `torch.save`/`torch.load`).
+        specs: the loading preconditioner's layers, by module name.
+        strict: missing or unexpected layers are errors (else skipped).
+
+    Returns:
+        The state of the layers in `specs` that `state` holds; a saved
+        decomposition that does not fit its layer exactly is dropped (it is
+        recomputed on load).
+
+    Raises:
+        TypeError: `state` is not a mapping, or an entry has the wrong
+            type.
+        ValueError: wrong version, missing entries, wrongly shaped
+            factors, and (`strict`) missing or unexpected layers; every
+            problem is named.
+    """
+    checked = _check_header(state)
+    saved = checked['layers']
+    assert isinstance(saved, Mapping)  # _check_header checked it
+    problems = _layer_problems(specs, saved, strict)
     if problems:
         raise ValueError(
             'cannot load the K-FAC state_dict: ' + '; '.join(problems),
         )
-
-
-def _saved_decomposition(
-    layer: KFACBaseLayer,
-    entry: Mapping[str, Any] | None,
-) -> dict[str, tuple[torch.Tensor, ...]] | None:
-    """The saved decomposition if it fits ``layer`` exactly, else None."""
-    if entry is None or entry.get('format') != layer.decomposition_format:
-        return None
-    result = {}
-    for f in layer.factors:
-        tensors = entry.get(f.name, [])
-        shapes = [tuple(t.shape) for t in tensors]
-        layout = [shape for shape, _ in layer.decomposition_layout(f.name)]
-        if shapes != layout:
-            return None
-        result[f.name] = tuple(
-            t.to(device=layer.device, dtype=layer.inv_dtype) for t in tensors
+    decompositions = checked.get('decompositions', {})
+    if not isinstance(decompositions, Mapping):
+        decompositions = {}
+    layers = {
+        name: SavedLayer(
+            factors=dict(saved[name]),
+            decomposition=_decomposition(spec, decompositions.get(name)),
         )
-    return result
-
-
-def load_preconditioner_state(
-    precon: BaseKFACPreconditioner,
-    state: Mapping[str, Any],
-    *,
-    strict: bool,
-) -> None:
-    """Restore ``precon`` from ``state``; see the module docstring.
-
-    Every rank must call this with the same ``state``: layers whose
-    decompositions are recomputed take part in broadcasts.
-
-    Raises:
-        TypeError: ``state`` is not a mapping.
-        ValueError: wrong version, missing entries, wrongly shaped factors,
-            and (``strict``) missing or unexpected layers; nothing is
-            changed then.
-
-    """
-    _check_header(state)
-    saved = state['layers']
-    _check_layers(precon, saved, strict)
-    current = precon.hyperparameters
-    restore = {
-        key: value
-        for key, value in state['hyperparameters'].items()
-        if key in current.__dataclass_fields__
-        and not callable(getattr(current, key))
+        for name, spec in specs.items()
+        if name in saved
     }
-    precon.set_hyperparameters(**restore)
-    precon.reset_batch()
-    precon._steps = int(state['steps'])
-    decompositions = state.get('decompositions', {})
-    recompute = []
-    for name, layer in precon.layers.items():
-        layer.clear_decompositions()
-        for f in layer.factors:
-            tensor = saved.get(name, {}).get(f.name)
-            f.value = (
-                None
-                if tensor is None
-                else tensor.to(device=layer.device, dtype=f.dtype).clone()
-            )
-        restored = _saved_decomposition(layer, decompositions.get(name))
-        if restored is None:
-            recompute.append(name)
-        elif precon.assignment.is_grad_worker(name):
-            for f in layer.factors:
-                f.decomposition = restored[f.name]
-        precon._decomposed.discard(name)
-        if restored is not None and layer.has_factors:
-            precon._decomposed.add(name)
-    precon._update_decompositions(precon.damping, recompute)
+    hyperparameters = checked['hyperparameters']
+    assert isinstance(hyperparameters, Mapping)  # _check_header checked it
+    return SavedState(
+        steps=int(checked['steps']),  # type: ignore[call-overload]  # an int: _check_header checked it
+        hyperparameters=dict(hyperparameters),
+        layers=layers,
+    )

@@ -13,6 +13,9 @@ from torch import nn
 
 from kfac.preconditioner import KFACPreconditioner
 from kfac.state import STATE_VERSION
+from kfac.state import LayerSpec
+from kfac.state import parse_state
+from kfac.state import serialize_state
 from testing.models import TinyCNN
 from testing.models import TinyMLP
 from testing.models import classification_data
@@ -242,3 +245,88 @@ def test_tampered_decomposition_is_recomputed() -> None:
     theirs = precon.layers['fc1'].a.decomposition
     assert mine is not None and theirs is not None
     assert torch.equal(mine[0], theirs[0])
+
+
+# The pure format functions --------------------------------------------------
+
+SPEC = {
+    'fc': LayerSpec(
+        {'A': 2, 'G': 1},
+        'inverse',
+        {'A': ((2, 2),), 'G': ((1, 1),)},
+    ),
+}
+
+
+def _state(**changes: Any) -> dict[str, Any]:
+    state: dict[str, Any] = {
+        'version': STATE_VERSION,
+        'steps': 3,
+        'hyperparameters': {'damping': 0.1},
+        'layers': {'fc': {'A': torch.eye(2), 'G': torch.ones(1, 1)}},
+        'decompositions': {
+            'fc': {
+                'format': 'inverse',
+                'A': [torch.eye(2)],
+                'G': [torch.ones(1, 1)],
+            },
+        },
+    }
+    state.update(changes)
+    return state
+
+
+def test_parse_and_serialize_round_trip() -> None:
+    saved = parse_state(_state(), SPEC, strict=True)
+    assert saved.steps == 3
+    assert saved.hyperparameters == {'damping': 0.1}
+    layer = saved.layers['fc']
+    assert layer.decomposition is not None
+    assert layer.decomposition.format == 'inverse'
+    again = serialize_state(saved, include_decompositions=True)
+    assert again['steps'] == 3
+    assert torch.equal(again['layers']['fc']['A'], torch.eye(2))
+    assert torch.equal(again['decompositions']['fc']['G'][0], torch.ones(1, 1))
+    assert again['layers']['fc']['A'] is not layer.factors['A']  # a copy
+
+
+@pytest.mark.parametrize(
+    ('changes', 'error', 'match'),
+    [
+        ({'steps': -1}, ValueError, "'steps' must be an int >= 0"),
+        ({'steps': True}, ValueError, "'steps' must be an int >= 0"),
+        ({'layers': [1]}, TypeError, "'layers' must be a mapping"),
+        ({'hyperparameters': 2}, TypeError, "'hyperparameters' must be a"),
+        ({'layers': {'fc': 3}}, ValueError, 'layers.fc is not a mapping'),
+        (
+            {'layers': {'fc': {'A': [[1.0]]}}},
+            ValueError,
+            r'layers.fc.A has shape \(\), expected \(2, 2\)',
+        ),
+    ],
+)
+def test_parse_rejects_malformed_entries(
+    changes: dict[str, Any], error: type, match: str
+) -> None:
+    with pytest.raises(error, match=match):
+        parse_state(_state(**changes), SPEC, strict=True)
+
+
+@pytest.mark.parametrize(
+    'decompositions',
+    [
+        None,
+        {'fc': 'eigen'},
+        {'fc': {'format': 'eigen', 'A': [], 'G': []}},
+        {'fc': {'format': 'inverse', 'A': 'x', 'G': []}},
+        {'fc': {'format': 'inverse', 'A': [torch.eye(3)], 'G': []}},
+    ],
+)
+def test_parse_drops_decompositions_that_do_not_fit(
+    decompositions: Any,
+) -> None:
+    saved = parse_state(
+        _state(decompositions=decompositions), SPEC, strict=True
+    )
+    assert saved.layers['fc'].decomposition is None
+    assert torch.equal(saved.layers['fc'].factors['A'], torch.eye(2))

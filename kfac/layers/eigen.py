@@ -6,8 +6,9 @@ from typing import Any
 
 import torch
 
-from kfac.layers.base import Decomposed
 from kfac.layers.base import KFACBaseLayer
+from kfac.layers.decomposition import Decomposed
+from kfac.layers.decomposition import Layout
 from kfac.layers.modules import ModuleHelper
 from kfac.math import eigen_precondition
 from kfac.math import eigenvalue_outer_product
@@ -16,18 +17,18 @@ from kfac.validation import check_bool
 
 
 class KFACEigenLayer(KFACBaseLayer):
-    """Precondition with ``(A ⊗ G + λ I)⁻¹`` via ``A = Q_A D_A Q_Aᵀ``, ...
+    """Precondition with `(A ⊗ G + λ I)⁻¹` via `A = Q_A D_A Q_Aᵀ`, ...
 
     Args:
         module: helper of the module.
-        prediv_eigenvalues: precompute ``1 / (d_G d_Aᵀ + λ)`` on the inverse
-            worker when ``G`` is decomposed (``compute_eigenvalue_outer_
-            product``), so gradient workers receive one ``(out, in[+1])``
-            matrix instead of both eigenvalue vectors and skip that work each
-            step. The damping is then the one in force at the last
-            decomposition. Needs both factors decomposed on the same rank,
-            ``A`` first.
-        **kwargs: see :class:`KFACBaseLayer`.
+        prediv_eigenvalues: precompute `1 / (d_G d_Aᵀ + λ)` on the inverse
+            worker when `G` is decomposed
+            (`compute_eigenvalue_outer_product`), so gradient workers
+            receive one `(out, in[+1])` matrix instead of both eigenvalue
+            vectors and skip that work each step. The damping is then the
+            one in force at the last decomposition. Needs both factors
+            decomposed on the same rank, `A` first.
+        **kwargs: see [`KFACBaseLayer`][kfac.layers.base.KFACBaseLayer].
 
     """
 
@@ -44,8 +45,8 @@ class KFACEigenLayer(KFACBaseLayer):
             prediv_eigenvalues,
         )
         self._da: torch.Tensor | None = None
-        #: Whether factor ``A`` was ever decomposed on this rank.
         self._a_tried = False
+        """Whether factor `A` was ever decomposed on this rank."""
 
     def _decompose(
         self,
@@ -56,7 +57,8 @@ class KFACEigenLayer(KFACBaseLayer):
     ) -> Decomposed:
         if name == 'A':
             self._a_tried = True
-        return symmetric_eigh(matrix, dtype), None  # eigh raises on failure
+        # eigh raises on failure: no flag of its own
+        return Decomposed(symmetric_eigh(matrix, dtype), None)
 
     def _finalize(
         self,
@@ -81,14 +83,11 @@ class KFACEigenLayer(KFACBaseLayer):
 
     @property
     def decomposition_format(self) -> str:
-        """``'eigen'``, or ``'eigen_outer'`` with ``prediv_eigenvalues``."""
+        """`'eigen'`, or `'eigen_outer'` with `prediv_eigenvalues`."""
         return 'eigen_outer' if self.prediv_eigenvalues else 'eigen'
 
-    def decomposition_layout(
-        self,
-        name: str,
-    ) -> tuple[tuple[tuple[int, ...], bool], ...]:
-        """``Q`` then ``d`` (or ``Q_A`` / ``Q_G``, ``1/(d_G d_Aᵀ + λ)``)."""
+    def decomposition_layout(self, name: str) -> Layout:
+        """`Q` then `d` (or `Q_A` / `Q_G`, `1/(d_G d_Aᵀ + λ)`)."""
         n = self.factor(name).dim
         q = ((n, n), False)
         if not self.prediv_eigenvalues:

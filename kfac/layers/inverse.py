@@ -6,19 +6,21 @@ import math
 
 import torch
 
-from kfac.layers.base import Decomposed
 from kfac.layers.base import KFACBaseLayer
+from kfac.layers.decomposition import Decomposed
+from kfac.layers.decomposition import Layout
 from kfac.math import damped_inverse_ex
 from kfac.math import inverse_precondition
 from kfac.math import pi_correction
 
 
 class KFACInverseLayer(KFACBaseLayer):
-    """Precondition with ``(G + (√λ/π) I)⁻¹ V (A + π √λ I)⁻¹``.
+    """Precondition with `(G + (√λ/π) I)⁻¹ V (A + π √λ I)⁻¹`.
 
-    ``π`` (:func:`kfac.math.pi_correction`) needs the traces of both running
-    factors, which every rank holds after the factor allreduce, so each
-    factor's inverse can be computed on a different rank.
+    `π` ([`pi_correction`][kfac.math.pi_correction]) needs the traces of
+    both running factors, which every rank holds after the factor
+    allreduce, so each factor's inverse can be computed on a different
+    rank.
     """
 
     def _decompose(
@@ -35,18 +37,15 @@ class KFACInverseLayer(KFACBaseLayer):
         root = math.sqrt(damping)
         shift = pi * root if name == 'A' else root / pi
         inverse, info = damped_inverse_ex(matrix, shift, dtype)
-        return (inverse,), info == 0
+        return Decomposed((inverse,), info == 0)
 
     @property
     def decomposition_format(self) -> str:
-        """``'inverse'``."""
+        """`'inverse'`."""
         return 'inverse'
 
-    def decomposition_layout(
-        self,
-        name: str,
-    ) -> tuple[tuple[tuple[int, ...], bool], ...]:
-        """One symmetric ``(n, n)`` inverse."""
+    def decomposition_layout(self, name: str) -> Layout:
+        """One symmetric `(n, n)` inverse."""
         n = self.factor(name).dim
         return (((n, n), True),)
 
