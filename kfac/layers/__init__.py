@@ -1,9 +1,33 @@
-"""Per-layer K-FAC: module helpers, registration and the two methods."""
+"""Per-layer K-FAC: module helpers, registration and the two methods.
+
+`import kfac.layers` imports its submodules (`base`, `compat`,
+`decomposition`, `eigen`, `factor`, `inverse`, `modules`, `register`).
+"""
 
 from __future__ import annotations
 
+from kfac.layers import base
+from kfac.layers import compat
+from kfac.layers import decomposition
+from kfac.layers import eigen
+from kfac.layers import factor
+from kfac.layers import inverse
+from kfac.layers import modules
+from kfac.layers import register
 from kfac.layers.base import KFACBaseLayer
 from kfac.layers.eigen import KFACEigenLayer
 from kfac.layers.inverse import KFACInverseLayer
 
-__all__ = ['KFACBaseLayer', 'KFACEigenLayer', 'KFACInverseLayer']
+__all__ = [
+    'KFACBaseLayer',
+    'KFACEigenLayer',
+    'KFACInverseLayer',
+    'base',
+    'compat',
+    'decomposition',
+    'eigen',
+    'factor',
+    'inverse',
+    'modules',
+    'register',
+]

@@ -1,4 +1,4 @@
-"""One Kronecker factor (``A`` or ``G``) of a layer.
+"""One Kronecker factor (`A` or `G`) of a layer.
 
 The logic shared by both factors lives here once: capturing hook data,
 accumulating a batch as a sum and a count, folding the batch into the
@@ -13,18 +13,18 @@ import torch
 
 from kfac.math import running_average
 
-#: Computes ``(sum of outer products, count)`` from captured hook data and a
-#: multiplier.
 Statistic = Callable[[torch.Tensor, float], tuple[torch.Tensor, int]]
+"""Computes `(sum of outer products, count)` from captured hook data and a
+multiplier."""
 
 
 class KroneckerFactor:
     """Batch accumulator, running average and decomposition of one factor.
 
     Args:
-        name: ``'A'`` or ``'G'``.
-        dim: the factor is ``(dim, dim)``.
-        statistic: turns one captured tensor into ``(Σ x xᵀ, count)``.
+        name: `'A'` or `'G'`.
+        dim: the factor is `(dim, dim)`.
+        statistic: turns one captured tensor into `(Σ x xᵀ, count)`.
         dtype: dtype of the running average.
 
     """
@@ -40,16 +40,16 @@ class KroneckerFactor:
         self.dim = dim
         self.dtype = dtype
         self._statistic = statistic
-        #: Running average, ``(dim, dim)``; None before the first update.
         self.value: torch.Tensor | None = None
-        #: Tensors a gradient worker needs to apply this factor's inverse.
+        """Running average, `(dim, dim)`; None before the first update."""
         self.decomposition: tuple[torch.Tensor, ...] | None = None
+        """Tensors a gradient worker needs to apply this factor's inverse."""
         self._sum: torch.Tensor | None = None
         self._count = 0
         self._pending: list[tuple[torch.Tensor, float]] = []
         self._previous: tuple[torch.Tensor | None] | None = None
-        #: Number of captures since the last reset.
         self.captures = 0
+        """Number of captures since the last reset."""
 
     def capture(
         self,
@@ -61,10 +61,10 @@ class KroneckerFactor:
         """Record one micro-batch of hook data.
 
         Args:
-            data: the module input (``A``) or output gradient (``G``).
+            data: the module input (`A`) or output gradient (`G`).
             multiplier: scale applied to the statistic's rows.
-            now: compute the statistic immediately (frees ``data``) rather
-                than keep ``data`` until :meth:`update`.
+            now: compute the statistic immediately (frees `data`) rather
+                than keep `data` until `update`.
 
         """
         self.captures += 1
@@ -79,21 +79,21 @@ class KroneckerFactor:
         self._count += count
 
     def batch_sum(self) -> torch.Tensor | None:
-        """Fold in pending data; the batch's ``Σ x xᵀ`` (None if empty)."""
+        """Fold in pending data; the batch's `Σ x xᵀ` (None if empty)."""
         for data, multiplier in self._pending:
             self._accumulate(data, multiplier)
         self._pending.clear()
         return self._sum
 
     def batch(self) -> torch.Tensor | None:
-        """The accumulated batch factor ``Σ x xᵀ / count``, or None."""
+        """The accumulated batch factor `Σ x xᵀ / count`, or None."""
         total = self.batch_sum()
         return None if total is None else total / self._count
 
     def update(self, decay: float) -> torch.Tensor | None:
         """Fold the batch into the running average and reset the batch.
 
-        The update is provisional until :meth:`commit` or :meth:`rollback`.
+        The update is provisional until `commit` or `rollback`.
         A batch with a non-finite entry is replaced by zeros before it is
         folded in, so no NaN or Inf reaches the running factor or any
         collective; the caller rolls the update back.
@@ -119,11 +119,11 @@ class KroneckerFactor:
         return finite
 
     def commit(self) -> None:
-        """Keep the last :meth:`update`."""
+        """Keep the last `update`."""
         self._previous = None
 
     def rollback(self) -> None:
-        """Undo the last :meth:`update` (a non-finite batch somewhere)."""
+        """Undo the last `update` (a non-finite batch somewhere)."""
         if self._previous is not None:
             self.value = self._previous[0]
             self._previous = None
@@ -136,7 +136,7 @@ class KroneckerFactor:
         self.captures = 0
 
     def memory_usage(self) -> dict[str, int]:
-        """Bytes held: ``factor``, ``batch`` and ``decomposition``."""
+        """Bytes held: `factor`, `batch` and `decomposition`."""
         batch = sum(_nbytes(t) for t, _ in self._pending) + _nbytes(self._sum)
         decomposition = sum(_nbytes(t) for t in self.decomposition or ())
         return {
