@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kfac.base_preconditioner import BaseKFACPreconditioner
 from kfac.preconditioner import KFACPreconditioner
 from testing.asserts import assert_rel_close
 from testing.models import AttentionNet
@@ -441,3 +442,34 @@ def test_step_without_any_forward_pass_changes_nothing(
     assert precon.steps == 1
     assert not any(layer.has_factors for layer in precon.layers.values())
     assert 'did not run forward and backward' in caplog.text
+
+
+def test_base_preconditioner_validates_its_arguments() -> None:
+    model = nn.Linear(2, 2)
+    precon = KFACPreconditioner(model)
+    with pytest.raises(
+        ValueError, match='layers must contain at least one layer'
+    ):
+        BaseKFACPreconditioner({}, assignment=precon.assignment)
+    with pytest.raises(
+        TypeError, match='update_factors_in_hook must be a bool'
+    ):
+        BaseKFACPreconditioner(
+            dict(precon.layers),
+            assignment=precon.assignment,
+            update_factors_in_hook='yes',  # type: ignore[arg-type]
+        )
+
+
+class Detached(nn.Linear):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x).detach()
+
+
+def test_output_without_grad_captures_only_inputs() -> None:
+    model = nn.Sequential(Detached(3, 3), nn.Linear(3, 2)).double()
+    precon = KFACPreconditioner(model)
+    model(torch.randn(4, 3, dtype=F64)).sum().backward()
+    precon.step()
+    assert not precon.layers['0'].has_factors
+    assert precon.layers['1'].has_factors

@@ -1,0 +1,96 @@
+"""kfac.layers.factor: KroneckerFactor's batch, running average and undo."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from kfac.layers.factor import KroneckerFactor
+from testing.asserts import assert_rel_close
+
+F64 = torch.float64
+
+
+def gram(x: torch.Tensor, multiplier: float) -> tuple[torch.Tensor, int]:
+    """``(Σ (m x)(m x)ᵀ, rows)``: the statistic of a Linear without bias."""
+    rows = x.reshape(-1, x.shape[-1]) * multiplier
+    return rows.T @ rows, rows.shape[0]
+
+
+def factor() -> KroneckerFactor:
+    return KroneckerFactor('A', 3, gram, F64)
+
+
+def batch(seed: int, n: int = 5) -> torch.Tensor:
+    return torch.randn(n, 3, generator=torch.Generator().manual_seed(seed))
+
+
+def mean_outer(*batches: torch.Tensor) -> torch.Tensor:
+    rows = torch.cat(batches).double()
+    return sum(torch.outer(r, r) for r in rows) / rows.shape[0]  # type: ignore[return-value]  # a sum of tensors
+
+
+def test_first_update_is_the_batch_then_a_running_average() -> None:
+    f = factor()
+    x1, x2, x3 = batch(1), batch(2, n=3), batch(3)
+    f.capture(x1.double(), 1.0, now=True)
+    f.capture(x2.double(), 1.0, now=False)  # deferred to update()
+    assert f.update(0.9)
+    first = mean_outer(x1, x2)  # no identity bias, no decay
+    assert f.value is not None
+    assert_rel_close(f.value, first, label='factor running average')
+    f.capture(x3.double(), 2.0, now=True)
+    assert f.update(0.9)
+    expected = 0.9 * first + 0.1 * 4.0 * mean_outer(x3)
+    assert_rel_close(f.value, expected, label='factor running average')
+
+
+def test_update_without_a_batch_changes_nothing() -> None:
+    f = factor()
+    assert f.update(0.9) is None
+    assert f.value is None
+    f.capture(batch(1).double(), 1.0, now=True)
+    f.update(0.9)
+    kept = f.value
+    assert f.update(0.9) is None
+    assert f.value is kept
+
+
+def test_rollback_restores_the_value_before_the_update() -> None:
+    f = factor()
+    f.capture(batch(1).double(), 1.0, now=True)
+    f.update(0.9)
+    f.commit()
+    kept = f.value
+    assert kept is not None
+    f.capture(batch(2).double(), 1.0, now=True)
+    f.update(0.9)
+    assert f.value is not None and not torch.equal(f.value, kept)
+    f.rollback()
+    assert f.value is kept
+    # after a commit there is nothing to undo
+    f.capture(batch(3).double(), 1.0, now=True)
+    f.update(0.9)
+    f.commit()
+    committed = f.value
+    f.rollback()
+    assert f.value is committed
+
+
+def test_non_finite_batch_is_flagged_and_never_reaches_the_value() -> None:
+    f = factor()
+    f.capture(batch(1).double(), 1.0, now=True)
+    f.update(0.9)
+    f.commit()
+    kept = f.value
+    assert kept is not None
+    bad = batch(2).double()
+    bad[0, 1] = math.nan
+    bad[1, 2] = math.inf
+    f.capture(bad, 1.0, now=True)
+    finite = f.update(0.9)
+    assert finite is not None and not bool(finite)
+    assert f.value is not None and torch.isfinite(f.value).all()
+    f.rollback()
+    assert f.value is kept
