@@ -57,10 +57,11 @@ def test_linear_factors_equal_definition(
     a_ref, g_ref = linear_factors(xb, gb, bias=bias, reduction=reduction)
     assert_rel_close(a, a_ref, label='factors: linear A')
     assert_rel_close(g, g_ref, label='factors: linear G')
-    n = 4 + int(bias)
-    assert helper.a_factor_shape == (n, n)
-    assert helper.g_factor_shape == (3, 3)
-    assert helper.grad_shape == (3, n)
+    # the shapes the layer allocates from are those of the definitions
+    assert helper.a_factor_shape == a_ref.shape
+    assert helper.g_factor_shape == g_ref.shape
+    layer(x).sum().backward()
+    assert helper.grad_shape == grad_matrix(layer).shape
 
 
 CONVS = {
@@ -210,15 +211,26 @@ def test_set_grad_casts_to_the_parameter_dtype() -> None:
 
 
 def test_frozen_bias_is_not_part_of_the_factors() -> None:
+    """A bias that is not trained is no column of A or V."""
     layer = nn.Linear(3, 2).double()
     layer.bias.requires_grad_(False)
     helper = LinearModuleHelper(layer)
-    assert not helper.has_bias
-    assert helper.a_factor_shape == (3, 3)
-    F.linear(torch.randn(4, 3, dtype=F64), layer.weight).sum().backward()
+    x = torch.randn(4, 3, dtype=F64)
+    out = layer(x)
+    gout = torch.randn_like(out)
+    a, g = factors(helper, x, gout)
+    a_ref, g_ref = linear_factors(x, gout, bias=False)
+    assert_rel_close(a, a_ref, label='factors: linear A')
+    assert_rel_close(g, g_ref, label='factors: linear G')
+    out.backward(gout)
     v = helper.get_grad()
     assert v is not None
-    assert v.shape == (2, 3)
+    assert layer.weight.grad is not None
+    assert torch.equal(v, layer.weight.grad)
+    new = torch.randn(2, 3, dtype=F64)
+    helper.set_grad(new)
+    assert torch.equal(layer.weight.grad, new)
+    assert layer.bias.grad is None
 
 
 def test_missing_bias_grad_reads_as_zero() -> None:
@@ -229,8 +241,11 @@ def test_missing_bias_grad_reads_as_zero() -> None:
     assert torch.equal(v[:, -1], torch.zeros(2, dtype=F64))
 
 
-def test_repr_names_module() -> None:
-    assert 'Linear' in repr(LinearModuleHelper(nn.Linear(2, 2)))
+def test_repr_identifies_the_module() -> None:
+    """Two Linear modules of different shapes are told apart."""
+    small, wide = nn.Linear(2, 2), nn.Linear(2, 7)
+    assert repr(LinearModuleHelper(small)) != repr(LinearModuleHelper(wide))
+    assert repr(wide) in repr(LinearModuleHelper(wide))
 
 
 @pytest.mark.parametrize(
