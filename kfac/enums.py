@@ -1,14 +1,16 @@
 """Enumerations of the choices K-FAC offers.
 
 Every place that takes one of these enums also takes its name or value as a
-string, case-insensitively (``'eigen'``, ``'EIGEN'`` and
-``ComputeMethod.EIGEN`` are the same choice); see :func:`parse_enum`.
+string, case-insensitively (`'eigen'`, `'EIGEN'` and `ComputeMethod.EIGEN`
+are the same choice); see [`parse_enum`][kfac.enums.parse_enum].
 """
 
 from __future__ import annotations
 
 import enum
 from typing import TypeVar
+
+from kfac.validation import type_error
 
 
 class _ChoiceEnum(enum.Enum):
@@ -34,8 +36,8 @@ class AllreduceMethod(_ChoiceEnum):
 class AssignmentStrategy(_ChoiceEnum):
     """Cost model used to balance inverse workers.
 
-    ``COMPUTE`` weighs an ``n x n`` factor by ``n**3`` (time of its
-    decomposition); ``MEMORY`` by ``n**2`` (bytes it occupies).
+    `COMPUTE` weighs an `n x n` factor by `n**3` (time of its
+    decomposition); `MEMORY` by `n**2` (bytes it occupies).
     """
 
     COMPUTE = 'compute'
@@ -52,9 +54,9 @@ class ComputeMethod(_ChoiceEnum):
 class DistributedStrategy(_ChoiceEnum):
     """Named gradient worker fractions of KAISA.
 
-    ``COMM_OPT`` makes every rank a gradient worker (fraction 1),
-    ``HYBRID_OPT`` half of the ranks (fraction 0.5) and ``MEM_OPT`` one rank
-    per layer (fraction ``1 / world_size``).
+    `COMM_OPT` makes every rank a gradient worker (fraction 1),
+    `HYBRID_OPT` half of the ranks (fraction 0.5) and `MEM_OPT` one rank
+    per layer (fraction `1 / world_size`).
     """
 
     COMM_OPT = 'comm_opt'
@@ -66,30 +68,29 @@ E = TypeVar('E', bound=_ChoiceEnum)
 
 
 def parse_enum(enum_type: type[E], value: object, argument: str) -> E:
-    """Return ``value`` as a member of ``enum_type``.
+    """Return `value` as a member of `enum_type`.
 
     Args:
         enum_type: the enum class.
-        value: a member of ``enum_type`` or its name or value as a string
+        value: a member of `enum_type` or its name or value as a string
             (case-insensitive).
         argument: the name of the argument being parsed, used in errors.
 
     Raises:
-        TypeError: ``value`` is neither a member nor a string.
-        ValueError: ``value`` is a string naming no member.
+        TypeError: `value` is neither a member nor a string.
+        ValueError: `value` is a string naming no member.
 
-    >>> parse_enum(ComputeMethod, 'Inverse', 'compute_method')
-    <ComputeMethod.INVERSE: 'inverse'>
+    Examples:
+        >>> parse_enum(ComputeMethod, 'Inverse', 'compute_method')
+        <ComputeMethod.INVERSE: 'inverse'>
 
     """
     if isinstance(value, enum_type):
         return value
     allowed = ', '.join(repr(m.value) for m in enum_type)
     if not isinstance(value, str):
-        raise TypeError(
-            f'{argument} must be a {enum_type.__name__} or one of the strings '
-            f'{allowed}; got {value!r} of type {type(value).__name__}',
-        )
+        what = f'a {enum_type.__name__} or one of the strings {allowed}'
+        raise type_error(argument, value, what)
     try:
         return enum_type(value)
     except ValueError:

@@ -1,30 +1,39 @@
-"""K-FAC hyperparameters: constants or schedules ``step -> value``.
+"""K-FAC hyperparameters: constants or schedules `step -> value`.
 
 Every hyperparameter of the preconditioner is either a constant or a
-callable of the preconditioner's step count. :class:`Hyperparameters` keeps
-them together, validated: constants when constructed, a schedule's value at
-each step it is used.
+callable of the preconditioner's step count.
+[`Hyperparameters`][kfac.hyperparams.Hyperparameters] keeps them together,
+validated: constants when constructed, a schedule's value at each step it is
+used; [`HyperparameterValues`][kfac.hyperparams.HyperparameterValues] holds
+the values at one step.
+
+`Resolved`, the former name of `HyperparameterValues`, still imports from
+here but is deprecated (a `DeprecationWarning`); it will be removed in the
+next release.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
+import warnings
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 from typing import Any
 
 from kfac.validation import validate_float
 from kfac.validation import validate_int
 
 IntParam = int | Callable[[int], int]
-"""An int hyperparameter, or a schedule ``step -> int``."""
+"""An int hyperparameter, or a schedule `step -> int`."""
 FloatParam = float | Callable[[int], float]
-"""A float hyperparameter, or a schedule ``step -> float``."""
+"""A float hyperparameter, or a schedule `step -> float`."""
 OptionalFloatParam = float | None | Callable[[int], float | None]
 """A float hyperparameter that None disables, or a schedule returning one."""
 
 __all__ = [
+    'HyperparameterValues',
     'Hyperparameters',
-    'Resolved',
     'exp_decay_factor_averaging',
     'validate_float',
     'validate_int',
@@ -32,8 +41,13 @@ __all__ = [
 
 
 @dataclasses.dataclass(frozen=True)
-class Resolved:
-    """The hyperparameters' values at one step."""
+class HyperparameterValues:
+    """The hyperparameters' values at one step, schedules called.
+
+    Returned by [`Hyperparameters.at`][kfac.hyperparams.Hyperparameters.at];
+    the fields are those of
+    [`Hyperparameters`][kfac.hyperparams.Hyperparameters].
+    """
 
     factor_update_steps: int
     inv_update_steps: int
@@ -43,17 +57,29 @@ class Resolved:
     lr: float
 
 
-def _check(name: str, value: object) -> object:
-    """Validate one hyperparameter's (constant) value."""
+if TYPE_CHECKING:  # at run time, __getattr__ warns and returns the class
+    Resolved = HyperparameterValues
+
+
+def _check(name: str, value: object, *, schedulable: bool) -> object:
+    """Validate one hyperparameter's value.
+
+    `schedulable`: the value was given as the hyperparameter (where a
+    callable is accepted too), not returned by a schedule.
+    """
     if name in ('factor_update_steps', 'inv_update_steps'):
-        return validate_int(name, value)
-    if name == 'factor_decay':
-        return validate_float(name, value, low=0.0, high=1.0)
-    if name == 'lr':
-        return validate_float(name, value, low=0.0, low_open=False)
+        return validate_int(name, value, schedulable=schedulable)
     if name == 'kl_clip' and value is None:
         return None
-    return validate_float(name, value, low=0.0)
+    low_open, high = name != 'lr', 1.0 if name == 'factor_decay' else math.inf
+    return validate_float(
+        name,
+        value,
+        low=0.0,
+        high=high,
+        low_open=low_open,
+        schedulable=schedulable,
+    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,16 +89,21 @@ class Hyperparameters:
     Attributes:
         factor_update_steps: steps between running-average updates (>= 1).
         inv_update_steps: steps between decompositions (>= 1).
-        damping: ``λ`` > 0 (see :mod:`kfac.math` for its meaning per method).
-        factor_decay: ``ξ`` in (0, 1] of the running average.
-        kl_clip: ``κ`` > 0, or None to disable KL clipping.
+        damping: `λ` > 0 (see [`kfac.math`][kfac.math] for its meaning per
+            method).
+        factor_decay: `ξ` in (0, 1] of the running average.
+        kl_clip: `κ` > 0, or None to disable KL clipping.
         lr: the optimizer's learning rate (>= 0), used by KL clipping only.
 
-    Each may be a callable ``step -> value``; its values are validated when
+    Each may be a callable `step -> value`; its values are validated when
     used.
 
-    >>> Hyperparameters(damping=0.01).at(0).damping
-    0.01
+    Examples:
+        >>> Hyperparameters(damping=0.01).at(0).damping
+        0.01
+        >>> schedule = Hyperparameters(inv_update_steps=lambda s: s + 1)
+        >>> schedule.at(9).inv_update_steps
+        10
 
     """
 
@@ -87,22 +118,24 @@ class Hyperparameters:
         for field in dataclasses.fields(self):
             value = getattr(self, field.name)
             if not callable(value):
-                object.__setattr__(self, field.name, _check(field.name, value))
+                checked = _check(field.name, value, schedulable=True)
+                object.__setattr__(self, field.name, checked)
 
-    def at(self, step: int) -> Resolved:
-        """Values at ``step``; schedules are called and their values checked.
+    def at(self, step: int) -> HyperparameterValues:
+        """Values at `step`; schedules are called and their values checked.
 
         Raises:
-            ValueError, TypeError: a schedule returned an invalid value.
+            TypeError: a schedule returned a value of the wrong type.
+            ValueError: a schedule returned a disallowed value.
 
         """
         values: dict[str, Any] = {}
         for field in dataclasses.fields(self):
             value = getattr(self, field.name)
             if callable(value):
-                value = _check(field.name, value(step))
+                value = _check(field.name, value(step), schedulable=False)
             values[field.name] = value
-        return Resolved(**values)
+        return HyperparameterValues(**values)
 
     def constants(self) -> dict[str, float | int | None]:
         """The hyperparameters that are not schedules, by name."""
@@ -116,17 +149,19 @@ class Hyperparameters:
 def exp_decay_factor_averaging(
     min_value: float = 0.95,
 ) -> Callable[[int], float]:
-    """Return the schedule ``ξ(step) = min(min_value, s / (s + 1))``.
+    """Return the schedule `ξ(step) = min(min_value, s / (s + 1))`.
 
-    Here ``s = max(step, 1)``. The first update replaces the factor whatever
-    ``ξ`` is, so with factors updated every step the running average is the
+    Here `s = max(step, 1)`. The first update replaces the factor whatever
+    `ξ` is, so with factors updated every step the running average is the
     exact mean of all batches seen so far, until the decay reaches
-    ``min_value`` and the average becomes exponential. Use it as
-    ``factor_decay``.
+    `min_value` and the average becomes exponential. Use it as
+    `factor_decay`.
 
-    >>> schedule = exp_decay_factor_averaging(0.9)
-    >>> [round(schedule(s), 3) for s in (0, 1, 3, 100)]
-    [0.5, 0.5, 0.75, 0.9]
+    Examples:
+        >>> schedule = exp_decay_factor_averaging(0.9)
+        >>> [round(schedule(s), 3) for s in (0, 1, 3, 100)]
+        [0.5, 0.5, 0.75, 0.9]
+
     """
     min_value = validate_float('min_value', min_value, low=0.0, high=1.0)
 
@@ -137,3 +172,16 @@ def exp_decay_factor_averaging(
         return min(min_value, s / (s + 1))
 
     return schedule
+
+
+def __getattr__(name: str) -> object:
+    """Resolve the deprecated names of this module, with a warning."""
+    if name == 'Resolved':
+        warnings.warn(
+            'kfac.hyperparams.Resolved is deprecated; use '
+            'kfac.hyperparams.HyperparameterValues',
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return HyperparameterValues
+    raise AttributeError(f'module {__name__!r} has no attribute {name!r}')

@@ -1,4 +1,4 @@
-"""Schedules for K-FAC hyperparameters, in the manner of ``LambdaLR``."""
+"""Schedules for K-FAC hyperparameters, in the manner of `LambdaLR`."""
 
 from __future__ import annotations
 
@@ -6,6 +6,7 @@ from collections.abc import Callable
 from typing import Any
 
 from kfac.base_preconditioner import BaseKFACPreconditioner
+from kfac.validation import check_callable
 from kfac.validation import check_instance
 from kfac.validation import validate_int
 
@@ -14,22 +15,23 @@ _PARAMS = (*_INT_PARAMS, 'damping', 'factor_decay', 'kl_clip', 'lr')
 
 
 class LambdaParamScheduler:
-    """Set each hyperparameter to ``base value · lambda(step)``.
+    """Set each hyperparameter to `base value · lambda(step)`.
 
-    Modelled on :class:`torch.optim.lr_scheduler.LambdaLR`: the base values
+    Modelled on `torch.optim.lr_scheduler.LambdaLR`: the base values
     are the preconditioner's constants when the scheduler is built, the
-    values for step 0 are applied at once, and each :meth:`step` advances
+    values for step 0 are applied at once, and each
+    [`step`][kfac.scheduler.LambdaParamScheduler.step] advances
     one step. Update intervals are rounded and never drop below 1.
 
     Args:
         preconditioner: whose hyperparameters to schedule; a scheduled
             hyperparameter must be a constant there (not a callable).
         factor_update_steps_lambda: multiplier schedule for
-            ``factor_update_steps``; likewise for the others. None leaves a
+            `factor_update_steps`; likewise for the others. None leaves a
             hyperparameter alone.
 
-    Example::
-
+    Examples:
+        ```python
         scheduler = LambdaParamScheduler(
             preconditioner,
             damping_lambda=lambda step: 0.5 ** (step // 1000),
@@ -39,6 +41,7 @@ class LambdaParamScheduler:
             preconditioner.step()
             optimizer.step()
             scheduler.step()
+        ```
 
     """
 
@@ -79,8 +82,7 @@ class LambdaParamScheduler:
         for name, fn in given.items():
             if fn is None:
                 continue
-            if not callable(fn):
-                raise TypeError(f'{name}_lambda must be callable; got {fn!r}')
+            check_callable(f'{name}_lambda', fn)
             base = constants.get(name)
             if base is None:
                 current = getattr(preconditioner.hyperparameters, name)
@@ -103,18 +105,18 @@ class LambdaParamScheduler:
         self.preconditioner.set_hyperparameters(**values)
 
     def step(self, step: int | None = None) -> None:
-        """Advance to ``step`` (default: the next step) and apply."""
+        """Advance to `step` (default: the next step) and apply."""
         if step is not None:
             validate_int('step', step, minimum=0)
         self.last_step = self.last_step + 1 if step is None else step
         self._apply()
 
     def state_dict(self) -> dict[str, Any]:
-        """``last_step`` and the base values (the lambdas are code)."""
+        """`last_step` and the base values (the lambdas are code)."""
         return {'last_step': self.last_step, 'base_values': self.base_values}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Restore :meth:`state_dict` output and apply it."""
+        """Restore what `state_dict()` returned, and apply it."""
         check_instance('state_dict', state_dict, dict, 'a dict')
         for key in ('last_step', 'base_values'):
             if key not in state_dict:

@@ -1,11 +1,15 @@
 from __future__ import annotations
 
+import dataclasses
+from typing import Any
+
 import pytest
 
+from kfac import hyperparams
+from kfac import validation
 from kfac.hyperparams import Hyperparameters
+from kfac.hyperparams import HyperparameterValues
 from kfac.hyperparams import exp_decay_factor_averaging
-from kfac.hyperparams import validate_float
-from kfac.hyperparams import validate_int
 
 
 def test_defaults_match_the_original_kaisa_defaults() -> None:
@@ -40,12 +44,53 @@ def test_ints_are_normalised_to_float() -> None:
     assert isinstance(Hyperparameters(damping=1).damping, float)
 
 
-def test_validators() -> None:
-    assert validate_int('n', 3) == 3
-    assert validate_int('n', 0, minimum=0) == 0
-    assert validate_float('x', 1, low=0.0, high=1.0) == 1.0
-    with pytest.raises(ValueError, match='x must be a finite number >= 0.0'):
-        validate_float('x', -1.0, low=0.0, low_open=False)
+def _returns_a_float(step: int) -> Any:
+    return 1.5
+
+
+def test_messages_say_a_constant_may_be_a_schedule() -> None:
+    with pytest.raises(TypeError) as given:
+        Hyperparameters(damping='0.1')  # type: ignore[arg-type]  # refused
+    assert str(given.value) == (
+        "damping must be a real number or a callable of the step; got '0.1' "
+        'of type str'
+    )
+    # A schedule's value may not itself be a callable: no such hint then.
+    with pytest.raises(TypeError) as returned:
+        Hyperparameters(factor_update_steps=_returns_a_float).at(0)
+    assert str(returned.value) == (
+        'factor_update_steps must be an int >= 1; got 1.5 of type float'
+    )
+
+
+def test_at_returns_hyperparameter_values() -> None:
+    values = Hyperparameters(lr=lambda step: 0.1 * step).at(3)
+    assert isinstance(values, HyperparameterValues)
+    assert values.lr == pytest.approx(0.3)
+    assert dataclasses.asdict(values) == {
+        'factor_update_steps': 1,
+        'inv_update_steps': 1,
+        'damping': 0.001,
+        'factor_decay': 0.95,
+        'kl_clip': 0.001,
+        'lr': values.lr,
+    }
+
+
+def test_resolved_is_a_deprecated_alias() -> None:
+    with pytest.warns(DeprecationWarning, match='use kfac.hyperparams.Hyp'):
+        from kfac.hyperparams import Resolved
+    assert Resolved is HyperparameterValues
+    with pytest.warns(DeprecationWarning, match='Resolved is deprecated'):
+        assert hyperparams.Resolved is HyperparameterValues
+    assert 'Resolved' not in hyperparams.__all__
+    with pytest.raises(AttributeError, match="has no attribute 'Nope'"):
+        hyperparams.Nope  # noqa: B018  # the attribute access is the test
+
+
+def test_validators_are_still_exported() -> None:
+    assert hyperparams.validate_int is validation.validate_int
+    assert hyperparams.validate_float is validation.validate_float
 
 
 def test_exp_decay_factor_averaging() -> None:
