@@ -1,9 +1,13 @@
-"""Tests of kfac.distributed: packing, handles, and collectives on 2-4 ranks.
+"""Tests of kfac.distributed: the communicator, alone and on 2-4 ranks.
 
 The collectives are checked exactly: every rank builds integer-valued
 tensors from a seed and its rank, so each rank can compute every other rank's
 contribution, and sums (and their quotient by the group size) are compared
 bit for bit with the same arithmetic done locally.
+
+Starting ranks costs seconds, so the checks of one world size share a
+launch; each check is still its own test, and a failing check does not hide
+the others (see `launch_checks`).
 """
 
 from __future__ import annotations
@@ -14,31 +18,26 @@ import itertools
 import math
 import pathlib
 import random
+from collections.abc import Callable
 from collections.abc import Iterator
 from collections.abc import Sequence
+from typing import cast
 
 import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
-from hypothesis import given
-from hypothesis import settings
-from hypothesis import strategies as st
 
 from kfac import distributed as kd
 from kfac.distributed import Communicator
-from kfac.distributed import FutureHandle
 from kfac.distributed import NonSquareTensorError
 from kfac.distributed import TorchDistributedCommunicator
-from kfac.distributed import completed
-from kfac.distributed import fill_triu
 from kfac.distributed import get_rank
-from kfac.distributed import get_triu
 from kfac.distributed import get_world_size
+from testing.distributed import DistributedTestError
 from testing.distributed import run_distributed
 
 DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
-PACK_DTYPES = (*DTYPES, torch.int64)
 
 
 # --------------------------------------------------------------------------
@@ -155,81 +154,13 @@ def test_single_process_argument_errors() -> None:
         comm.allreduce(torch.zeros(2, dtype=torch.int64))
     integers = torch.arange(3)
     assert comm.allreduce(integers, average=False).wait() is integers
+    numpy_rank = cast('int', np.int64(0))  # an integer, typed int or not
+    assert comm.broadcast(integers, src=numpy_rank).wait() is integers
 
 
-def test_completed_and_future_handles() -> None:
-    tensor = torch.arange(3.0)
-    handle = completed(tensor)
-    assert handle.done()
-    assert handle.wait() is tensor
-
-    future: torch.futures.Future[torch.Tensor] = torch.futures.Future()
-    pending = FutureHandle(future)
-    assert not pending.done()
-    future.set_result(tensor)
-    assert pending.done()
-    assert pending.wait() is tensor
-
-    failing: torch.futures.Future[torch.Tensor] = torch.futures.Future()
-    # torch's stub types the argument of set_exception as the result type.
-    failing.set_exception(RuntimeError('collective failed'))  # type: ignore[arg-type]
-    with pytest.raises(RuntimeError, match='collective failed'):
-        FutureHandle(failing).wait()
-
-
-# --------------------------------------------------------------------------
-# Triangle packing.
-
-
-@settings(max_examples=60, deadline=None)
-@given(
-    n=st.integers(1, 40),
-    dtype=st.sampled_from(PACK_DTYPES),
-    seed=st.integers(0, 2**16),
-)
-def test_triu_packing_matches_definition(
-    n: int, dtype: torch.dtype, seed: int
-) -> None:
-    matrix = make_value(seed, 0, (n, n), dtype)
-    packed = get_triu(matrix)
-    expected = [matrix[i, j] for i in range(n) for j in range(i, n)]
-    assert_same(packed, torch.stack(expected))
-
-    rebuilt = fill_triu((n, n), packed)
-    for i, j in itertools.product(range(n), repeat=2):
-        assert rebuilt[i, j] == matrix[min(i, j), max(i, j)]
-    assert rebuilt.dtype == dtype
-
-    symmetric = make_value(seed, 1, (n, n), dtype, symmetric=True)
-    assert_same(fill_triu(symmetric.shape, get_triu(symmetric)), symmetric)
-
-
-def test_triu_packing_of_large_matrix_bypasses_the_cache() -> None:
-    n = kd._TRIU_CACHE_MAX_N + 7
-    symmetric = make_value(3, 0, (n, n), torch.float64, symmetric=True)
-    packed = get_triu(symmetric)
-    mask = torch.ones(n, n, dtype=torch.bool).triu()
-    assert_same(packed, symmetric[mask])
-    assert_same(fill_triu(torch.Size([n, n]), packed), symmetric)
-
-
-@pytest.mark.parametrize('shape', [(3,), (2, 3), (3, 2), (2, 2, 2), ()])
-def test_get_triu_rejects_non_square(shape: tuple[int, ...]) -> None:
-    with pytest.raises(NonSquareTensorError, match='square 2-D') as info:
-        get_triu(torch.zeros(shape))
-    assert isinstance(info.value, ValueError)
-
-
-def test_fill_triu_rejects_bad_shape_or_length() -> None:
-    with pytest.raises(NonSquareTensorError, match=r'\(2, 3\)'):
-        fill_triu((2, 3), torch.zeros(3))
-    with pytest.raises(NonSquareTensorError):
-        fill_triu((3,), torch.zeros(3))
-    with pytest.raises(ValueError, match=r'6 elements.*\(5,\)') as info:
-        fill_triu((3, 3), torch.zeros(5))
-    assert not isinstance(info.value, NonSquareTensorError)
-    with pytest.raises(ValueError, match=r'got shape \(2, 3\)'):
-        fill_triu((3, 3), torch.zeros(2, 3))
+def test_bucket_key_needs_a_process_group() -> None:
+    with pytest.raises(RuntimeError, match='no default process group'):
+        kd._group_key(None)
 
 
 # --------------------------------------------------------------------------
@@ -278,7 +209,8 @@ def test_valid_communicator_arguments(value: float, expected: float) -> None:
 
 
 # --------------------------------------------------------------------------
-# Collectives on 2, 3 and 4 ranks: one launch per world size.
+# Collectives on 2, 3 and 4 ranks: one launch per world size, one test per
+# check.
 
 
 @dataclasses.dataclass(frozen=True)
@@ -315,11 +247,10 @@ def make_groups(world_size: int) -> list[Group]:
     return groups
 
 
-def check_collectives(world_size: int) -> None:
-    """Body of every rank of :func:`test_collectives`."""
-    assert get_world_size() == world_size == dist.get_world_size()
+def check_rank_and_size(groups: Sequence[Group]) -> None:
+    """`get_rank`/`get_world_size` agree with torch.distributed's."""
+    assert get_world_size() == dist.get_world_size()
     assert get_rank() == dist.get_rank()
-    groups = make_groups(world_size)
     for group in groups:
         if group.member:
             assert get_world_size(group.group) == len(group.ranks)
@@ -327,14 +258,6 @@ def check_collectives(world_size: int) -> None:
         else:
             assert get_world_size(group.group) == -1
             assert get_rank(group.group) == -1
-    check_allreduce(groups)
-    check_symmetric_allreduce(groups)
-    check_broadcast(groups)
-    check_not_a_member(groups)
-    check_bucket_cap_zero(groups)
-    check_unflushed_wait(groups)
-    for trial in range(40):
-        check_random_buckets(groups, trial)
 
 
 def member_groups(
@@ -677,13 +600,104 @@ def check_random_buckets(groups: Sequence[Group], trial: int) -> None:
     assert comm.bytes_communicated['allreduce'] == nbytes, trial
 
 
-@pytest.mark.timeout(180)
-@pytest.mark.parametrize('world_size', [2, 3, 4])
-def test_collectives(world_size: int, tmp_path: pathlib.Path) -> None:
-    run_distributed(
-        check_collectives,
-        world_size,
-        world_size,
-        tmp_path=tmp_path,
-        timeout=150,
-    )
+def check_all_random_buckets(groups: Sequence[Group]) -> None:
+    """Forty random sequences of bucketed allreduces."""
+    for trial in range(40):
+        check_random_buckets(groups, trial)
+
+
+CHECKS: dict[str, Callable[[Sequence[Group]], None]] = {
+    'rank_and_size': check_rank_and_size,
+    'allreduce': check_allreduce,
+    'symmetric_allreduce': check_symmetric_allreduce,
+    'broadcast': check_broadcast,
+    'not_a_member': check_not_a_member,
+    'bucket_cap_zero': check_bucket_cap_zero,
+    'unflushed_wait': check_unflushed_wait,
+    'random_buckets': check_all_random_buckets,
+}
+
+
+def _done(run_dir: pathlib.Path, name: str, rank: int) -> pathlib.Path:
+    return run_dir / f'{name}.rank{rank}.done'
+
+
+def run_checks(
+    world_size: int, names: Sequence[str], run_dir: pathlib.Path
+) -> None:
+    """Body of every rank: the checks `names` in order, each marked done."""
+    assert get_world_size() == world_size
+    groups = make_groups(world_size)
+    for name in names:
+        CHECKS[name](groups)
+        _done(run_dir, name, get_rank()).touch()
+
+
+def launch_checks(
+    world_size: int, tmp_path: pathlib.Path
+) -> dict[str, str | None]:
+    """Run every check on `world_size` ranks; return each one's failure.
+
+    The checks share a launch. A check that fails stops its launch (the
+    other ranks may be waiting for the failed one in a collective), so the
+    launch is attributed to the first check some rank did not finish, and
+    the checks after it run in a new launch: each check is reported
+    whatever the others do. Passing checks map to None.
+    """
+    outcome: dict[str, str | None] = {}
+    pending = list(CHECKS)
+    while pending:
+        run_dir = tmp_path / f'launch{len(outcome)}'
+        run_dir.mkdir()
+        try:
+            run_distributed(
+                run_checks,
+                world_size,
+                world_size,
+                pending,
+                run_dir,
+                tmp_path=run_dir,
+                timeout=150,
+            )
+            error = None
+        except DistributedTestError as failure:
+            error = str(failure)
+        unfinished = [
+            name
+            for name in pending
+            if not all(
+                _done(run_dir, name, rank).exists()
+                for rank in range(world_size)
+            )
+        ]
+        if not unfinished:
+            if error is not None:  # after every check had passed
+                raise DistributedTestError(error)
+            outcome.update(dict.fromkeys(pending))
+            return outcome
+        assert error is not None  # run_distributed checks every rank
+        failed = pending.index(unfinished[0])
+        outcome.update(dict.fromkeys(pending[:failed]))
+        outcome[pending[failed]] = error
+        pending = pending[failed + 1 :]
+    return outcome
+
+
+@pytest.fixture(scope='module', params=[2, 3, 4], ids='world{}'.format)
+def collective_outcomes(
+    request: pytest.FixtureRequest,
+    tmp_path_factory: pytest.TempPathFactory,
+) -> dict[str, str | None]:
+    world_size: int = request.param
+    tmp_path = tmp_path_factory.mktemp(f'collectives{world_size}')
+    return launch_checks(world_size, tmp_path)
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize('check', list(CHECKS))
+def test_collective(
+    check: str, collective_outcomes: dict[str, str | None]
+) -> None:
+    error = collective_outcomes[check]
+    if error is not None:
+        pytest.fail(f'check {check!r} failed:\n{error}', pytrace=False)
