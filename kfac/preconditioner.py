@@ -11,7 +11,6 @@ import torch
 from torch import nn
 
 from kfac.assignment import KAISAAssignment
-from kfac.assignment import factor_cost
 from kfac.base_preconditioner import BaseKFACPreconditioner
 from kfac.base_preconditioner import GradScalerLike
 from kfac.distributed import TorchDistributedCommunicator
@@ -29,44 +28,59 @@ from kfac.layers.inverse import KFACInverseLayer
 from kfac.layers.modules import ModuleHelper
 from kfac.layers.register import compile_patterns
 from kfac.layers.register import register_modules
+from kfac.placement import factor_cost
+from kfac.placement import parse_grad_worker_fraction
 from kfac.validation import check_bool
+from kfac.validation import check_choice
 from kfac.validation import check_dtype
+from kfac.validation import check_instance
 from kfac.validation import validate_float
 from kfac.validation import validate_int
 
 logger = logging.getLogger(__name__)
 
 FractionLike = float | DistributedStrategy | str
-"""A gradient worker fraction in (0, 1], a :class:`DistributedStrategy`, or
-its name."""
-
-
-def _check_fraction(value: object) -> float | DistributedStrategy:
-    if isinstance(value, (DistributedStrategy, str)):
-        return parse_enum(DistributedStrategy, value, 'grad_worker_fraction')
-    return validate_float('grad_worker_fraction', value, low=0.0, high=1.0)
+"""A gradient worker fraction in (0, 1], a
+[`DistributedStrategy`][kfac.enums.DistributedStrategy], or its name."""
 
 
 @dataclasses.dataclass(frozen=True)
 class KFACConfig:
-    """The non-schedulable options of :class:`KFACPreconditioner`, validated.
+    """The non-schedulable options of a K-FAC preconditioner, validated.
 
-    See :class:`KFACPreconditioner` for each field's meaning.
+    See [`KFACPreconditioner`][kfac.preconditioner.KFACPreconditioner] for
+    each field's meaning. Fields take what the preconditioner's keyword
+    arguments take and hold it normalised once constructed: enum names
+    become [`ComputeMethod`][kfac.enums.ComputeMethod] and
+    [`AssignmentStrategy`][kfac.enums.AssignmentStrategy] members, a
+    numeric `grad_worker_fraction` a `float` (a strategy name a
+    [`DistributedStrategy`][kfac.enums.DistributedStrategy]),
+    `allreduce_bucket_cap_mb` a `float` and `skip_layers` a tuple of
+    patterns.
+
+    Raises:
+        TypeError: a field has the wrong type.
+        ValueError: a field has a disallowed value, or EIGEN's
+            `compute_eigenvalue_outer_product` is asked for without
+            `colocate_factors`.
+
+    Examples:
+        >>> KFACConfig(compute_method='Inverse').compute_method
+        <ComputeMethod.INVERSE: 'inverse'>
+
     """
 
     accumulation_steps: int = 1
     allreduce_bucket_cap_mb: float = 25.0
-    assignment_strategy: AssignmentStrategy = AssignmentStrategy.COMPUTE
+    assignment_strategy: AssignmentStrategy | str = AssignmentStrategy.COMPUTE
     colocate_factors: bool = True
-    compute_method: ComputeMethod = ComputeMethod.EIGEN
+    compute_method: ComputeMethod | str = ComputeMethod.EIGEN
     compute_eigenvalue_outer_product: bool = True
-    grad_worker_fraction: float | DistributedStrategy = (
-        DistributedStrategy.COMM_OPT
-    )
+    grad_worker_fraction: FractionLike = DistributedStrategy.COMM_OPT
     symmetry_aware: bool = False
     factor_dtype: torch.dtype | None = None
     inv_dtype: torch.dtype | None = None
-    skip_layers: tuple[str, ...] = ()
+    skip_layers: str | Iterable[str] | None = ()
     update_factors_in_hook: bool = True
     loglevel: int = logging.DEBUG
     loss_reduction: str = 'mean'
@@ -93,11 +107,16 @@ class KFACConfig:
                 self.compute_method,
                 'compute_method',
             ),
-            'grad_worker_fraction': _check_fraction(self.grad_worker_fraction),
+            'grad_worker_fraction': parse_grad_worker_fraction(
+                self.grad_worker_fraction
+            ),
             'factor_dtype': check_dtype('factor_dtype', self.factor_dtype),
             'inv_dtype': check_dtype('inv_dtype', self.inv_dtype),
             'skip_layers': tuple(compile_patterns(self.skip_layers)),
             'loglevel': validate_int('loglevel', self.loglevel, minimum=0),
+            'loss_reduction': check_choice(
+                'loss_reduction', self.loss_reduction, LOSS_REDUCTIONS
+            ),
         }
         for name in (
             'colocate_factors',
@@ -106,11 +125,6 @@ class KFACConfig:
             'update_factors_in_hook',
         ):
             checked[name] = check_bool(name, getattr(self, name))
-        if self.loss_reduction not in LOSS_REDUCTIONS:
-            raise ValueError(
-                f'loss_reduction must be one of {LOSS_REDUCTIONS}; got '
-                f'{self.loss_reduction!r}',
-            )
         for name, value in checked.items():
             object.__setattr__(self, name, value)
         if (
@@ -144,19 +158,23 @@ def _make_layer(helper: ModuleHelper, config: KFACConfig) -> KFACBaseLayer:
 class KFACPreconditioner(BaseKFACPreconditioner):
     """K-FAC preconditioning of a model's Linear and Conv2d layers (KAISA).
 
-    Call :meth:`step` between ``loss.backward()`` and ``optimizer.step()``.
-    Works on one process without ``torch.distributed`` and, initialised, with
-    a DDP-wrapped model on any number of ranks.
+    Call [`step`][kfac.base_preconditioner.BaseKFACPreconditioner.step]
+    between `loss.backward()` and `optimizer.step()`. Works on one process
+    without `torch.distributed` and, initialised, with a DDP-wrapped model
+    on any number of ranks. The options are validated by
+    [`Hyperparameters`][kfac.hyperparams.Hyperparameters] (the schedulable
+    ones) and [`KFACConfig`][kfac.preconditioner.KFACConfig] (the others),
+    which `config` holds.
 
     Args:
-        model: the model (a ``DistributedDataParallel`` wrapper is looked
+        model: the model (a `DistributedDataParallel` wrapper is looked
             through, so layer names are the same with and without it).
         factor_update_steps: steps between factor updates.
         inv_update_steps: steps between decompositions.
-        damping: ``λ`` (EIGEN: added to the Kronecker product exactly;
+        damping: `λ` (EIGEN: added to the Kronecker product exactly;
             INVERSE: split between the factors with the π correction).
-        factor_decay: ``ξ`` in (0, 1] of the factors' running average.
-        kl_clip: ``κ`` of KL clipping, or None to disable it.
+        factor_decay: `ξ` in (0, 1] of the factors' running average.
+        kl_clip: `κ` of KL clipping, or None to disable it.
         lr: the optimizer's learning rate, used by KL clipping.
         accumulation_steps: micro-batches per step (divide each micro-batch
             loss by it).
@@ -164,23 +182,24 @@ class KFACPreconditioner(BaseKFACPreconditioner):
             0 disables bucketing.
         assignment_strategy: cost model balancing inverse workers.
         colocate_factors: decompose a layer's two factors on one rank.
-        compute_method: ``'eigen'`` or ``'inverse'``.
+        compute_method: `'eigen'` or `'inverse'`.
         compute_eigenvalue_outer_product: EIGEN only: precompute
-            ``1 / (d_G d_Aᵀ + λ)`` at decomposition time.
+            `1 / (d_G d_Aᵀ + λ)` at decomposition time.
         grad_worker_fraction: fraction of ranks that precondition each
-            layer's gradient: a float or a :class:`DistributedStrategy`.
+            layer's gradient: a float or a
+            [`DistributedStrategy`][kfac.enums.DistributedStrategy].
         symmetry_aware: communicate symmetric matrices as packed triangles.
-        grad_scaler: the ``GradScaler`` (or a callable returning the loss
+        grad_scaler: the `GradScaler` (or a callable returning the loss
             scale) of mixed-precision training.
         factor_dtype: dtype of the running factors.
         inv_dtype: dtype of the decompositions.
         skip_layers: regexes of module names or class names to leave alone.
         update_factors_in_hook: compute statistics in the hooks.
         loglevel: level of informational log messages.
-        loss_reduction: ``'mean'`` or ``'sum'``: the reduction of the loss.
+        loss_reduction: `'mean'` or `'sum'`: the reduction of the loss.
 
-    Every hyperparameter (``factor_update_steps`` to ``lr``) may also be a
-    callable ``step -> value``.
+    Every hyperparameter (`factor_update_steps` to `lr`) may also be a
+    callable `step -> value`.
 
     """
 
@@ -210,10 +229,7 @@ class KFACPreconditioner(BaseKFACPreconditioner):
         loglevel: int = logging.DEBUG,
         loss_reduction: str = 'mean',
     ) -> None:
-        if not isinstance(model, nn.Module):
-            raise TypeError(
-                f'model must be a torch.nn.Module; got {type(model).__name__}',
-            )
+        check_instance('model', model, nn.Module, 'a torch.nn.Module')
         hyperparameters = Hyperparameters(
             factor_update_steps=factor_update_steps,
             inv_update_steps=inv_update_steps,
@@ -225,15 +241,15 @@ class KFACPreconditioner(BaseKFACPreconditioner):
         config = KFACConfig(
             accumulation_steps=accumulation_steps,
             allreduce_bucket_cap_mb=allreduce_bucket_cap_mb,
-            assignment_strategy=assignment_strategy,  # type: ignore[arg-type]  # parsed in __post_init__
+            assignment_strategy=assignment_strategy,
             colocate_factors=colocate_factors,
-            compute_method=compute_method,  # type: ignore[arg-type]  # parsed in __post_init__
+            compute_method=compute_method,
             compute_eigenvalue_outer_product=compute_eigenvalue_outer_product,
-            grad_worker_fraction=grad_worker_fraction,  # type: ignore[arg-type]  # parsed in __post_init__
+            grad_worker_fraction=grad_worker_fraction,
             symmetry_aware=symmetry_aware,
             factor_dtype=factor_dtype,
             inv_dtype=inv_dtype,
-            skip_layers=skip_layers,  # type: ignore[arg-type]  # parsed in __post_init__
+            skip_layers=skip_layers,
             update_factors_in_hook=update_factors_in_hook,
             loglevel=loglevel,
             loss_reduction=loss_reduction,
@@ -283,9 +299,8 @@ class KFACPreconditioner(BaseKFACPreconditioner):
         model: nn.Module,
         config: KFACConfig,
     ) -> dict[str, KFACBaseLayer]:
-        inner = getattr(model, 'module', None)
         if isinstance(model, nn.parallel.DistributedDataParallel):
-            model = inner  # type: ignore[assignment]  # DDP always wraps a Module
+            model = model.module
         helpers = register_modules(model, skip_layers=config.skip_layers)
         if not helpers:
             raise ValueError(

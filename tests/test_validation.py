@@ -1,17 +1,29 @@
-"""Every invalid argument raises a clear ValueError or TypeError."""
+"""Every invalid argument raises a clear ValueError or TypeError.
+
+The first half checks the public boundaries (each message names the
+argument, the value and what is allowed); the second the vocabulary of
+kfac.validation they all use.
+"""
 
 from __future__ import annotations
 
+import dataclasses
+import fractions
+import math
 from collections.abc import Callable
 from typing import Any
+from typing import cast
 
+import numpy as np
 import pytest
 import torch
 from torch import nn
 
+from kfac import validation
 from kfac.assignment import KAISAAssignment
 from kfac.base_preconditioner import BaseKFACPreconditioner
 from kfac.distributed import TorchDistributedCommunicator
+from kfac.enums import AssignmentStrategy
 from kfac.enums import ComputeMethod
 from kfac.enums import DistributedStrategy
 from kfac.hyperparams import exp_decay_factor_averaging
@@ -23,6 +35,13 @@ from kfac.preconditioner import KFACConfig
 from kfac.preconditioner import KFACPreconditioner
 from kfac.scheduler import LambdaParamScheduler
 from kfac.tracing import PhaseTimer
+from kfac.validation import check_bool
+from kfac.validation import check_callable
+from kfac.validation import check_choice
+from kfac.validation import check_dtype
+from kfac.validation import check_instance
+from kfac.validation import validate_float
+from kfac.validation import validate_int
 from testing.models import TinyMLP
 
 # (keyword arguments, exception type, text the message must contain)
@@ -35,7 +54,7 @@ INVALID: list[tuple[dict[str, Any], type[Exception], str]] = [
     (
         {'factor_update_steps': 1.5},
         TypeError,
-        'factor_update_steps must be an int',
+        'factor_update_steps must be an int >= 1 or a callable of the step; got 1.5 of type float',
     ),
     ({'factor_update_steps': True}, TypeError, 'factor_update_steps'),
     ({'inv_update_steps': -2}, ValueError, 'inv_update_steps must be >= 1'),
@@ -43,7 +62,11 @@ INVALID: list[tuple[dict[str, Any], type[Exception], str]] = [
     ({'damping': -1e-3}, ValueError, 'damping'),
     ({'damping': float('nan')}, ValueError, 'damping'),
     ({'damping': float('inf')}, ValueError, 'damping'),
-    ({'damping': '0.1'}, TypeError, 'damping must be a real number'),
+    (
+        {'damping': '0.1'},
+        TypeError,
+        "damping must be a real number or a callable of the step; got '0.1' of type str",
+    ),
     (
         {'factor_decay': 0.0},
         ValueError,
@@ -54,13 +77,21 @@ INVALID: list[tuple[dict[str, Any], type[Exception], str]] = [
     ({'kl_clip': 'none'}, TypeError, 'kl_clip'),
     ({'lr': -0.1}, ValueError, 'lr must be a finite number >= 0'),
     ({'accumulation_steps': 0}, ValueError, 'accumulation_steps must be >= 1'),
-    ({'accumulation_steps': 2.0}, TypeError, 'accumulation_steps'),
+    (
+        {'accumulation_steps': 2.0},
+        TypeError,
+        'accumulation_steps must be an int >= 1; got 2.0 of type float',
+    ),
     (
         {'allreduce_bucket_cap_mb': -1},
         ValueError,
         'allreduce_bucket_cap_mb must be a finite number >= 0',
     ),
-    ({'allreduce_bucket_cap_mb': None}, TypeError, 'allreduce_bucket_cap_mb'),
+    (
+        {'allreduce_bucket_cap_mb': None},
+        TypeError,
+        'allreduce_bucket_cap_mb must be a real number; got None',
+    ),
     (
         {'assignment_strategy': 'fastest'},
         ValueError,
@@ -84,7 +115,11 @@ INVALID: list[tuple[dict[str, Any], type[Exception], str]] = [
         'grad_worker_fraction must be a finite number > 0.0 and <= 1.0',
     ),
     ({'grad_worker_fraction': 1.5}, ValueError, 'grad_worker_fraction'),
-    ({'grad_worker_fraction': None}, TypeError, 'grad_worker_fraction'),
+    (
+        {'grad_worker_fraction': None},
+        TypeError,
+        'grad_worker_fraction must be a float in (0, 1], a DistributedStrategy or its name; got None',
+    ),
     ({'colocate_factors': 1}, TypeError, 'colocate_factors must be a bool'),
     (
         {'compute_eigenvalue_outer_product': 'yes'},
@@ -123,11 +158,20 @@ INVALID: list[tuple[dict[str, Any], type[Exception], str]] = [
         "skip_layers pattern '(unclosed' is not a valid regular expression",
     ),
     ({'loglevel': -1}, ValueError, 'loglevel must be >= 0'),
-    ({'loglevel': 'DEBUG'}, TypeError, 'loglevel'),
+    (
+        {'loglevel': 'DEBUG'},
+        TypeError,
+        "loglevel must be an int >= 0; got 'DEBUG' of type str",
+    ),
     (
         {'loss_reduction': 'avg'},
         ValueError,
-        "loss_reduction must be one of ('mean', 'sum')",
+        "loss_reduction must be one of ('mean', 'sum'); got 'avg'",
+    ),
+    (
+        {'loss_reduction': None},
+        TypeError,
+        "loss_reduction must be one of ('mean', 'sum'); got None",
     ),
     (
         {'grad_scaler': 3.0},
@@ -189,11 +233,39 @@ def test_enum_strings_are_case_insensitive(
 
 
 @pytest.mark.parametrize(
-    'value', ['comm_opt', 'COMM-OPT', 'Mem_Opt', 'hybrid_opt']
+    ('value', 'expected'),
+    [
+        ('comm_opt', DistributedStrategy.COMM_OPT),
+        ('COMM-OPT', DistributedStrategy.COMM_OPT),
+        ('Mem_Opt', DistributedStrategy.MEM_OPT),
+        ('hybrid_opt', DistributedStrategy.HYBRID_OPT),
+        (1, 1.0),
+        (fractions.Fraction(1, 2), 0.5),
+    ],
 )
-def test_strategy_strings_parse(value: str) -> None:
-    config = KFACConfig(grad_worker_fraction=value)  # type: ignore[arg-type]
-    assert isinstance(config.grad_worker_fraction, DistributedStrategy)
+def test_config_normalises_fractions(
+    value: float | str, expected: float | DistributedStrategy
+) -> None:
+    config = KFACConfig(grad_worker_fraction=value)
+    assert config.grad_worker_fraction == expected
+    assert type(config.grad_worker_fraction) is type(expected)
+
+
+def test_config_normalises_what_it_accepts() -> None:
+    config = KFACConfig(
+        allreduce_bucket_cap_mb=1,
+        assignment_strategy='Memory',
+        compute_method='INVERSE',
+        skip_layers='fc1',
+        accumulation_steps=cast('int', np.int64(2)),
+    )
+    assert config.allreduce_bucket_cap_mb == 1.0
+    assert isinstance(config.allreduce_bucket_cap_mb, float)
+    assert config.assignment_strategy is AssignmentStrategy.MEMORY
+    assert config.compute_method is ComputeMethod.INVERSE
+    assert config.skip_layers == ('fc1',)
+    assert type(config.accumulation_steps) is int
+    assert KFACConfig(skip_layers=None).skip_layers == ()
 
 
 def test_outer_product_without_colocation_is_fine_for_inverse() -> None:
@@ -202,13 +274,15 @@ def test_outer_product_without_colocation_is_fine_for_inverse() -> None:
         compute_method='inverse',
         colocate_factors=False,
     )
-    assert precon.config.colocate_factors is False
+    assert precon.config.compute_method is ComputeMethod.INVERSE
+    assert isinstance(precon.layers['fc1'], KFACInverseLayer)
 
 
 def test_config_is_frozen() -> None:
     config = KFACConfig()
-    with pytest.raises(AttributeError):
-        config.damping = 3  # type: ignore[attr-defined]
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        config.accumulation_steps = 3  # type: ignore[misc]  # refused
+    assert config.accumulation_steps == 1
 
 
 def test_valid_dtypes_are_used() -> None:
@@ -410,7 +484,29 @@ BOUNDARIES: list[tuple[str, Callable[[], object], type[Exception], str]] = [
         'communicator bucket cap',
         lambda: TorchDistributedCommunicator(bucket_cap_mb=-1.0),
         ValueError,
-        'allreduce_bucket_cap_mb',
+        'allreduce_bucket_cap_mb must be a finite number >= 0.0; got -1.0',
+    ),
+    (
+        'communicator symmetry_aware',
+        lambda: TorchDistributedCommunicator(symmetry_aware=_any(1)),
+        TypeError,
+        'symmetry_aware must be a bool; got 1 of type int',
+    ),
+    (
+        'communicator broadcast src',
+        lambda: TorchDistributedCommunicator().broadcast(
+            torch.zeros(1), src=_any(0.0)
+        ),
+        TypeError,
+        'src must be an int (a global rank); got 0.0 of type float',
+    ),
+    (
+        'scheduler lambda',
+        lambda: LambdaParamScheduler(
+            KFACPreconditioner(TinyMLP()), lr_lambda=_any(0.5)
+        ),
+        TypeError,
+        'lr_lambda must be callable; got 0.5 of type float',
     ),
     (
         'KAISAAssignment fraction',
@@ -440,3 +536,122 @@ def test_public_boundary_rejects_bad_input(
     with pytest.raises(error) as info:
         call()
     assert match in str(info.value), label
+
+
+# --------------------------------------------------------------------------
+# The vocabulary itself.
+
+
+def test_validate_int_returns_an_int() -> None:
+    assert validate_int('n', 3) == 3
+    assert validate_int('n', 0, minimum=0) == 0
+    value = validate_int('n', np.int64(5))
+    assert value == 5
+    assert type(value) is int
+    with pytest.raises(ValueError, match=r'^n must be >= 2; got 1$'):
+        validate_int('n', 1, minimum=2)
+
+
+@pytest.mark.parametrize('value', [True, 2.0, '2', None, np.float64(2)])
+def test_validate_int_type_errors(value: object) -> None:
+    message = f'n must be an int >= 1; got {value!r} of type'
+    with pytest.raises(TypeError) as info:
+        validate_int('n', value)
+    assert str(info.value).startswith(message)
+    assert 'callable' not in str(info.value)
+    with pytest.raises(TypeError) as info:
+        validate_int('n', value, schedulable=True)
+    assert 'n must be an int >= 1 or a callable of the step; got' in str(
+        info.value
+    )
+
+
+@pytest.mark.parametrize(
+    ('value', 'kwargs', 'message'),
+    [
+        (0.0, {'low': 0.0}, 'x must be a finite number > 0.0; got 0.0'),
+        (
+            -1.0,
+            {'low': 0.0, 'low_open': False},
+            'x must be a finite number >= 0.0; got -1.0',
+        ),
+        (
+            1.5,
+            {'low': 0.0, 'high': 1.0},
+            'x must be a finite number > 0.0 and <= 1.0; got 1.5',
+        ),
+        (math.inf, {'low': 0.0}, 'x must be a finite number > 0.0; got inf'),
+        (math.nan, {'low': 0.0}, 'x must be a finite number > 0.0; got nan'),
+    ],
+)
+def test_validate_float_ranges(
+    value: float, kwargs: dict[str, Any], message: str
+) -> None:
+    with pytest.raises(ValueError) as info:
+        validate_float('x', value, **kwargs)
+    assert str(info.value) == message
+
+
+def test_validate_float_returns_a_float() -> None:
+    assert validate_float('x', 1, low=0.0, high=1.0) == 1.0
+    assert validate_float('x', 0, low=0.0, low_open=False) == 0.0
+    value = validate_float('x', fractions.Fraction(1, 4), low=0.0)
+    assert value == 0.25
+    assert type(value) is float
+    assert type(validate_float('x', np.float32(2.0), low=0.0)) is float
+
+
+@pytest.mark.parametrize('value', [True, '0.1', None, 1j])
+def test_validate_float_type_errors(value: object) -> None:
+    with pytest.raises(TypeError) as info:
+        validate_float('x', value, low=0.0)
+    assert str(info.value).startswith(
+        f'x must be a real number; got {value!r} of type'
+    )
+    with pytest.raises(TypeError, match='or a callable of the step'):
+        validate_float('x', value, low=0.0, schedulable=True)
+
+
+def test_check_bool() -> None:
+    assert check_bool('flag', False) is False
+    with pytest.raises(TypeError, match=r'^flag must be a bool; got 0 of'):
+        check_bool('flag', 0)
+
+
+def test_check_choice() -> None:
+    assert check_choice('mode', 'sum', ['mean', 'sum']) == 'sum'
+    with pytest.raises(ValueError) as info:
+        check_choice('mode', 'Sum', ('mean', 'sum'))
+    assert str(info.value) == "mode must be one of ('mean', 'sum'); got 'Sum'"
+    with pytest.raises(TypeError) as type_info:
+        check_choice('mode', 1, ('mean', 'sum'))
+    assert str(type_info.value) == (
+        "mode must be one of ('mean', 'sum'); got 1 of type int"
+    )
+
+
+def test_check_callable() -> None:
+    check_callable('fn', len)
+    check_callable('fn', None, optional=True)
+    with pytest.raises(TypeError, match=r'^fn must be callable; got None'):
+        check_callable('fn', None)
+    with pytest.raises(TypeError, match=r'^fn must be None or callable; got'):
+        check_callable('fn', 3, optional=True)
+
+
+def test_check_dtype_and_instance() -> None:
+    assert check_dtype('dtype', None) is None
+    assert check_dtype('dtype', torch.bfloat16) is torch.bfloat16
+    with pytest.raises(TypeError, match='dtype must be None or a floating'):
+        check_dtype('dtype', torch.bool)
+    check_instance('state', {}, dict, 'a dict')
+    with pytest.raises(TypeError) as info:
+        check_instance('state', [], dict, 'a dict')
+    assert str(info.value) == 'state must be a dict; got [] of type list'
+
+
+def test_booleans_are_not_numbers() -> None:
+    assert validation.is_int(3) and not validation.is_int(True)
+    assert validation.is_real(0.5) and not validation.is_real(False)
+    assert not validation.is_int(3.0)
+    assert not validation.is_real('0.5')
