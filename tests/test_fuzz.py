@@ -102,10 +102,10 @@ def test_linear_results_stay_finite_and_match_the_oracle(
             assert torch.isfinite(param).all()
             assert param.grad is not None
             assert torch.isfinite(param.grad).all()
-        if dtype is torch.float64 and step % case.inv_steps == 0:
+        if step % case.inv_steps == 0:  # decomposed from these factors
             a, g = layer.a.value, layer.g.value
-            assert a is not None
-            assert g is not None
+            assert a is not None and g is not None
+            a, g = a.double(), g.double()
             solve = (
                 eigen_reference
                 if case.method == 'eigen'
@@ -114,9 +114,29 @@ def test_linear_results_stay_finite_and_match_the_oracle(
             assert_rel_close(
                 grad_matrix(model),
                 solve(a, g, raw, case.damping),
-                rtol=1e-7,
-                label='fuzz: preconditioned grad vs solve',
+                rtol=oracle_tolerance(dtype, a, g, case.damping),
+                label=f'fuzz: preconditioned grad vs solve ({case.dtype})',
             )
+
+
+def oracle_tolerance(
+    dtype: torch.dtype, a: torch.Tensor, g: torch.Tensor, damping: float
+) -> float:
+    """Relative error allowed against the float64 solve.
+
+    Float32 factors and decompositions: ``100 ε κ`` with ``κ`` the condition
+    number of ``A ⊗ G + λI`` (measured over 400 examples: at most 11 ε κ).
+    A bfloat16 model adds the rounding of its written-back ``.grad``
+    (``2⁻⁸``; measured: at most 2.2e-3).
+    """
+    if dtype is torch.float64:
+        return 1e-7
+    eigenvalues = torch.linalg.eigvalsh(torch.kron(a, g))
+    kappa = float((eigenvalues.max().clamp(min=0) + damping) / damping)
+    tolerance = 100 * torch.finfo(torch.float32).eps * kappa
+    if dtype is torch.bfloat16:
+        tolerance += 2.0**-8
+    return tolerance
 
 
 @st.composite
