@@ -2,8 +2,9 @@
 
 :func:`run_distributed` is the launcher of the distributed tests: it starts
 ``world_size`` processes with the ``spawn`` start method, joins them in a
-gloo process group whose rendezvous is a ``file://`` store inside the test's
-``tmp_path`` (so two tests never meet), runs ``fn(*args)`` on every rank and
+process group (gloo unless told; with NCCL, rank ``r`` uses ``cuda:r``)
+whose rendezvous is a ``file://`` store inside the test's ``tmp_path`` (so
+two tests never meet), runs ``fn(*args)`` on every rank and
 checks every rank's exit code. A rank that raises writes its traceback to a
 file in ``tmp_path``; the parent puts it into the :class:`DistributedTestError`
 it raises, naming the rank and its exit code. A run that outlives its
@@ -106,7 +107,9 @@ def run_distributed(
     ``tmp_path``, process-group timeout ``timeout``), runs ``fn(*args)`` and
     destroys the group. ``fn`` reads its rank from ``torch.distributed``.
     Gloo is bound to the loopback interface (``GLOO_SOCKET_IFNAME``, unless
-    the environment sets it).
+    the environment sets it). With ``'nccl'`` each rank first makes
+    ``cuda:<rank>`` its current device, so ``world_size`` must not exceed
+    the number of visible GPUs (NCCL refuses two ranks on one GPU).
 
     Args:
         fn: a picklable (module-level) function; its return value is ignored.
@@ -116,7 +119,8 @@ def run_distributed(
             file and the tracebacks of failing ranks are written there.
         timeout: seconds the whole run may take, process start-up included;
             ranks still running then are terminated.
-        backend: the ``torch.distributed`` backend.
+        backend: the ``torch.distributed`` backend: ``'gloo'`` or
+            ``'nccl'``.
 
     Raises:
         TypeError: ``world_size`` is not an int.
@@ -195,6 +199,8 @@ def _run_rank(
     """Join the group and run ``fn``; return whether it failed."""
     failed = False
     try:
+        if spec.backend == 'nccl':
+            torch.cuda.set_device(rank)
         dist.init_process_group(
             spec.backend,
             init_method=f'file://{spec.init_file}',

@@ -7,6 +7,11 @@ process trained on the whole batch (float64, relative difference < 1e-9).
 One launch per world size loops over all configurations; the single-process
 reference runs in the parent, where ``torch.distributed`` is not
 initialised.
+
+On the CPU the ranks join a gloo group. With ``KFAC_TEST_DEVICE=cuda``
+(``make gpu-check``) they join an NCCL group, rank ``r`` on ``cuda:r``, and
+the reference runs on the parent's CUDA device; NCCL takes one GPU per
+rank, so the world sizes above the number of GPUs are skipped.
 """
 
 from __future__ import annotations
@@ -33,6 +38,7 @@ from testing.models import classification_data
 
 GLOBAL_BATCH = 12  # divisible by 1, 2, 3 and 4
 STEPS = 3
+CPU = torch.device('cpu')
 STRATEGIES = {
     'comm_opt': DistributedStrategy.COMM_OPT,
     'hybrid_opt': DistributedStrategy.HYBRID_OPT,
@@ -74,43 +80,55 @@ def configurations(world_size: int) -> list[dict[str, Any]]:
     return configs
 
 
+def rank_device(device_type: str, rank: int) -> torch.device:
+    """Where rank ``rank`` computes: ``cuda:<rank>`` with NCCL."""
+    return torch.device('cuda', rank) if device_type == 'cuda' else CPU
+
+
 def train(
     model: nn.Module,
     config: dict[str, Any],
     rank: int,
     world_size: int,
 ) -> None:
+    device = next(model.parameters()).device
     wrapped = model
     if world_size > 1 or dist.is_initialized():
-        wrapped = nn.parallel.DistributedDataParallel(model)
+        wrapped = nn.parallel.DistributedDataParallel(
+            model,
+            device_ids=None if device.type == 'cpu' else [device],
+        )
     precon = KFACPreconditioner(wrapped, **config)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     per_rank = GLOBAL_BATCH // world_size
     for step in range(STEPS):
         x, y = classification_data(GLOBAL_BATCH, (2, 8, 8), seed=step)
-        xs = x[rank * per_rank : (rank + 1) * per_rank]
-        ys = y[rank * per_rank : (rank + 1) * per_rank]
+        xs = x[rank * per_rank : (rank + 1) * per_rank].to(device)
+        ys = y[rank * per_rank : (rank + 1) * per_rank].to(device)
         optimizer.zero_grad()
         F.cross_entropy(wrapped(xs), ys).backward()
         precon.step()
         optimizer.step()
 
 
-def fresh_model() -> nn.Module:
+def fresh_model(device: torch.device) -> nn.Module:
     torch.manual_seed(1234)
-    return TinyCNN().double()
+    return TinyCNN().to(device, torch.float64)
 
 
 def flat_params(model: nn.Module) -> torch.Tensor:
     return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
 
 
-def ddp_body(world_size: int, out_dir: str) -> None:
+def ddp_body(world_size: int, out_dir: str, device_type: str) -> None:
     rank = dist.get_rank()
-    expected = torch.load(pathlib.Path(out_dir) / 'expected.pt')
+    device = rank_device(device_type, rank)
+    expected = torch.load(
+        pathlib.Path(out_dir) / 'expected.pt', map_location=device
+    )
     results = {}
     for index, config in enumerate(configurations(world_size)):
-        model = fresh_model()
+        model = fresh_model(device)
         train(model, config, rank, world_size)
         params = flat_params(model)
         gathered = [torch.empty_like(params) for _ in range(world_size)]
@@ -128,21 +146,32 @@ def ddp_body(world_size: int, out_dir: str) -> None:
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize('world_size', [1, 2, 3, 4])
 def test_ddp_equals_single_process(
-    world_size: int, tmp_path: pathlib.Path
+    world_size: int, tmp_path: pathlib.Path, device: torch.device
 ) -> None:
+    backend = 'gloo'
+    if device.type == 'cuda':
+        backend = 'nccl'
+        gpus = torch.cuda.device_count()
+        if world_size > gpus:
+            pytest.skip(
+                f'NCCL takes one GPU per rank: world size {world_size} '
+                f'needs {world_size} GPUs, this machine has {gpus}'
+            )
     expected = []
     for config in configurations(world_size):
-        model = fresh_model()
+        model = fresh_model(device)
         train(model, config, 0, 1)
-        expected.append(flat_params(model))
+        expected.append(flat_params(model).cpu())
     torch.save(expected, tmp_path / 'expected.pt')
     run_distributed(
         ddp_body,
         world_size,
         world_size,
         str(tmp_path),
+        device.type,
         tmp_path=tmp_path,
         timeout=280,
+        backend=backend,
     )
     results = json.loads((tmp_path / 'results.json').read_text())
     assert len(results) == len(configurations(world_size))
@@ -154,6 +183,8 @@ def test_ddp_equals_single_process(
     )
     for across, versus in results.values():
         label = f'DDP W={world_size} vs single process'
+        if backend != 'gloo':
+            label += f' [{backend}]'
         WORST[label] = max(WORST.get(label, 0.0), versus)
         WORST['DDP ranks vs each other'] = max(
             WORST.get('DDP ranks vs each other', 0.0),

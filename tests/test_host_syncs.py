@@ -1,10 +1,17 @@
 """The step reads device values on the host a fixed number of times, however
 many layers there are (on a GPU each read is a stall).
+
+The models run on the device of ``KFAC_TEST_DEVICE`` (``tests/conftest.py``;
+the CPU unless told). The reads counted are the ``torch.Tensor`` methods
+that copy a value to the host, called from Python; on CUDA, the
+synchronisations themselves are counted too, by PyTorch's sync debug mode,
+which also sees those inside PyTorch's own operators.
 """
 
 from __future__ import annotations
 
 import functools
+import warnings
 from collections import Counter
 from collections.abc import Callable
 from typing import Any
@@ -18,15 +25,34 @@ from kfac.preconditioner import KFACPreconditioner
 
 #: ``torch.Tensor`` methods that copy a value to the host.
 READS = ('item', 'tolist', '__bool__', '__float__', '__int__', '__index__')
+#: The warning of ``torch.cuda.set_sync_debug_mode('warn')``.
+SYNC_WARNING = 'called a synchronizing CUDA operation'
 
 
-def deep_mlp(layers: int) -> nn.Sequential:
+def deep_mlp(layers: int, device: torch.device) -> nn.Sequential:
     torch.manual_seed(0)
     blocks: list[nn.Module] = [nn.Linear(8, 16), nn.Tanh()]
     for _ in range(layers - 2):
         blocks += [nn.Linear(16, 16), nn.Tanh()]
     blocks.append(nn.Linear(16, 4))
-    return nn.Sequential(*blocks)
+    return nn.Sequential(*blocks).to(device)
+
+
+def batch(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    torch.manual_seed(1)
+    return torch.randn(12, 8).to(device), torch.randint(0, 4, (12,)).to(device)
+
+
+def preconditioner(model: nn.Module, method: str) -> KFACPreconditioner:
+    """Factors every 2 steps, decompositions every 4: steps 0-3 are
+    factors and decompositions, nothing, factors, nothing.
+    """
+    return KFACPreconditioner(
+        model,
+        compute_method=method,
+        factor_update_steps=2,
+        inv_update_steps=4,
+    )
 
 
 def count_reads(
@@ -53,18 +79,14 @@ def reads_per_step(
     layers: int,
     method: str,
     monkeypatch: pytest.MonkeyPatch,
+    device: torch.device,
 ) -> list[int]:
     """Host reads in steps 0-3: factors and decompositions, none, factors,
     none.
     """
-    model = deep_mlp(layers)
-    precon = KFACPreconditioner(
-        model,
-        compute_method=method,
-        factor_update_steps=2,
-        inv_update_steps=4,
-    )
-    x, y = torch.randn(12, 8), torch.randint(0, 4, (12,))
+    model = deep_mlp(layers, device)
+    precon = preconditioner(model, method)
+    x, y = batch(device)
     out = []
     with monkeypatch.context() as patch:
         counts = count_reads(patch)
@@ -82,9 +104,10 @@ def reads_per_step(
 def test_host_reads_do_not_grow_with_the_number_of_layers(
     method: str,
     monkeypatch: pytest.MonkeyPatch,
+    device: torch.device,
 ) -> None:
-    few = reads_per_step(3, method, monkeypatch)
-    many = reads_per_step(9, method, monkeypatch)
+    few = reads_per_step(3, method, monkeypatch, device)
+    many = reads_per_step(9, method, monkeypatch, device)
     assert few == many
     # Every step: one read of the KL clip's finiteness flags. Factor steps:
     # one more for the health of the statistics. Decomposition steps: one
@@ -100,3 +123,89 @@ def test_the_counter_sees_host_reads(monkeypatch: pytest.MonkeyPatch) -> None:
         float(t[0])
         t.tolist()
     assert counts == Counter({'__bool__': 1, '__float__': 1, 'tolist': 1})
+
+
+def count_syncs(fn: Callable[[], object]) -> int:
+    """CUDA synchronisations during ``fn()``, by the sync debug mode."""
+    previous = torch.cuda.get_sync_debug_mode()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter('always')
+        torch.cuda.set_sync_debug_mode('warn')
+        try:
+            fn()
+        finally:
+            torch.cuda.set_sync_debug_mode(previous)
+    return sum(SYNC_WARNING in str(w.message) for w in caught)
+
+
+def needs_cuda(device: torch.device) -> None:
+    if device.type != 'cuda':
+        pytest.skip(
+            'counts CUDA synchronisations: KFAC_TEST_DEVICE=cuda '
+            '(make gpu-check)'
+        )
+
+
+def syncs_per_step(
+    layers: int, method: str, device: torch.device
+) -> list[int]:
+    """Synchronisations of backward and step in steps 0-3 (the backward
+    counts too: with ``update_factors_in_hook`` the factors are formed in
+    the gradient hooks).
+    """
+    model = deep_mlp(layers, device)
+    precon = preconditioner(model, method)
+    x, y = batch(device)
+    out = []
+    for _ in range(4):
+        loss = F.cross_entropy(model(x), y)
+        model.zero_grad()
+
+        def backward_and_step(loss: torch.Tensor = loss) -> None:
+            loss.backward()
+            precon.step()
+
+        out.append(count_syncs(backward_and_step))
+    return out
+
+
+@pytest.mark.parametrize('method', ['eigen', 'inverse'])
+def test_device_syncs_do_not_grow_with_the_number_of_layers(
+    method: str, device: torch.device
+) -> None:
+    needs_cuda(device)
+    syncs_per_step(3, method, device)  # warm-up: lazy CUDA initialisation
+    few = syncs_per_step(3, method, device)
+    many = syncs_per_step(9, method, device)
+    if method == 'eigen':
+        # torch.linalg.eigh synchronises with the host on CUDA to check
+        # for errors (its documentation says so), once per factor: two per
+        # layer on the decomposition step, which no library code controls.
+        assert many[0] - few[0] == 2 * (9 - 3), (few, many)
+        few, many = few[1:], many[1:]
+    assert few == many
+
+
+def test_the_sync_counter_sees_device_syncs(device: torch.device) -> None:
+    needs_cuda(device)
+    t = torch.ones(2, device=device)
+
+    def two_reads() -> None:
+        float(t.sum())
+        t.tolist()
+
+    assert count_syncs(two_reads) == 2
+    assert count_syncs(lambda: t * 2) == 0
+
+    # and in a gradient hook, which runs on autograd's CUDA thread
+    w = torch.ones(2, device=device, requires_grad=True)
+
+    def read(grad: torch.Tensor) -> None:
+        float(grad.sum())
+
+    def backward_with_a_read() -> None:
+        out = w * 2
+        out.register_hook(read)
+        out.sum().backward()
+
+    assert count_syncs(backward_with_a_read) == 1

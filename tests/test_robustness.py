@@ -1,4 +1,8 @@
-"""Numerical faults never reach the factors or the parameters."""
+"""Numerical faults never reach the factors or the parameters.
+
+Every test runs on the device of ``KFAC_TEST_DEVICE`` (the ``device``
+fixture of ``tests/conftest.py``; the CPU unless told).
+"""
 
 from __future__ import annotations
 
@@ -32,9 +36,21 @@ def snapshot(precon: KFACPreconditioner) -> dict[str, list[torch.Tensor]]:
     return out
 
 
+def batch(
+    n: int,
+    shape: tuple[int, ...],
+    device: torch.device,
+    *,
+    seed: int = 0,
+    dtype: torch.dtype = F64,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    x, y = classification_data(n, shape, seed=seed, dtype=dtype)
+    return x.to(device), y.to(device)
+
+
 def good_step(model: nn.Module, precon: KFACPreconditioner, seed: int) -> None:
     model.zero_grad()
-    x, y = classification_data(8, (6,), seed=seed)
+    x, y = batch(8, (6,), next(model.parameters()).device, seed=seed)
     F.cross_entropy(model(x), y).backward()
     precon.step()
 
@@ -47,13 +63,14 @@ def test_nonfinite_batch_is_discarded(
     where: str,
     value: float,
     caplog: pytest.LogCaptureFixture,
+    device: torch.device,
 ) -> None:
-    model = TinyMLP().double()
+    model = TinyMLP().to(device, F64)
     precon = KFACPreconditioner(model, update_factors_in_hook=in_hook)
     good_step(model, precon, 0)
     before = snapshot(precon)
     model.zero_grad()
-    x, y = classification_data(8, (6,), seed=1)
+    x, y = batch(8, (6,), device, seed=1)
     if where == 'input':
         x[3, 2] = value
     else:
@@ -77,15 +94,15 @@ def test_nonfinite_batch_is_discarded(
         assert precon.layers[name].grad is None
 
 
-def test_next_good_step_proceeds_after_a_bad_one() -> None:
-    model = TinyMLP().double()
+def test_next_good_step_proceeds_after_a_bad_one(device: torch.device) -> None:
+    model = TinyMLP().to(device, F64)
     twin = copy.deepcopy(model)
     precon = KFACPreconditioner(model, factor_decay=0.5)
     reference = KFACPreconditioner(twin, factor_decay=0.5)
     good_step(model, precon, 0)
     good_step(twin, reference, 0)
     model.zero_grad()
-    x, y = classification_data(8, (6,), seed=1)
+    x, y = batch(8, (6,), device, seed=1)
     x[0, 0] = math.nan
     F.cross_entropy(model(x), y).backward()
     precon.step()
@@ -102,12 +119,14 @@ def test_next_good_step_proceeds_after_a_bad_one() -> None:
         assert torch.equal(grad_matrix(mod), grad_matrix(ref))
 
 
-def test_grad_scaler_overflow_leaves_factors_untouched() -> None:
-    model = TinyMLP()
-    scaler = torch.amp.GradScaler('cpu', init_scale=2.0**127)
+def test_grad_scaler_overflow_leaves_factors_untouched(
+    device: torch.device,
+) -> None:
+    model = TinyMLP().to(device)
+    scaler = torch.amp.GradScaler(device.type, init_scale=2.0**127)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     precon = KFACPreconditioner(model, grad_scaler=scaler)
-    x, y = classification_data(8, (6,), dtype=torch.float32)
+    x, y = batch(8, (6,), device, dtype=torch.float32)
 
     def step() -> None:
         optimizer.zero_grad()
@@ -156,15 +175,16 @@ def failing(
 def test_float64_retry_rescues_a_failed_float32_eigh(
     mode: str,
     monkeypatch: pytest.MonkeyPatch,
+    device: torch.device,
 ) -> None:
-    model = TinyMLP()
+    model = TinyMLP().to(device)
     eigh = failing(
         kmath.symmetric_eigh,
         lambda dtype: mode if dtype == torch.float32 else None,
     )
     monkeypatch.setattr(eigen_module, 'symmetric_eigh', eigh)
     precon = KFACPreconditioner(model)
-    x, y = classification_data(8, (6,), dtype=torch.float32)
+    x, y = batch(8, (6,), device, dtype=torch.float32)
     F.cross_entropy(model(x), y).backward()
     raw = grad_matrix(model.fc1).clone()
     precon.step()
@@ -175,7 +195,9 @@ def test_float64_retry_rescues_a_failed_float32_eigh(
     assert not torch.equal(grad_matrix(model.fc1), raw)
 
 
-def test_jitter_is_the_last_attempt(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_jitter_is_the_last_attempt(
+    monkeypatch: pytest.MonkeyPatch, device: torch.device
+) -> None:
     seen: list[tuple[torch.dtype, float]] = []
     original = kmath.symmetric_eigh
 
@@ -186,9 +208,9 @@ def test_jitter_is_the_last_attempt(monkeypatch: pytest.MonkeyPatch) -> None:
         return original(matrix, dtype)
 
     monkeypatch.setattr(eigen_module, 'symmetric_eigh', eigh)
-    model = nn.Linear(3, 2, bias=False)
+    model = nn.Linear(3, 2, bias=False).to(device)
     precon = KFACPreconditioner(model, skip_layers=[])
-    x = torch.randn(4, 3)
+    x = torch.randn(4, 3, device=device)
     model(x).sum().backward()
     precon.layers[''].update_factors(0.9)
     assert precon.layers[''].compute_decomposition('A', 0.1)
@@ -208,8 +230,9 @@ def test_failed_decomposition_keeps_the_last_good_one(
     method: str,
     monkeypatch: pytest.MonkeyPatch,
     caplog: pytest.LogCaptureFixture,
+    device: torch.device,
 ) -> None:
-    model = TinyMLP().double()
+    model = TinyMLP().to(device, F64)
     precon = KFACPreconditioner(model, compute_method=method)
     good_step(model, precon, 0)
     kept = {n: layer.g.decomposition for n, layer in precon.layers.items()}
@@ -238,15 +261,16 @@ def test_failed_decomposition_keeps_the_last_good_one(
 
 def test_no_decomposition_ever_leaves_the_raw_gradient(
     monkeypatch: pytest.MonkeyPatch,
+    device: torch.device,
 ) -> None:
     monkeypatch.setattr(
         eigen_module,
         'symmetric_eigh',
         failing(kmath.symmetric_eigh, lambda dtype: 'nan'),
     )
-    model = TinyMLP().double()
+    model = TinyMLP().to(device, F64)
     precon = KFACPreconditioner(model, kl_clip=None)
-    x, y = classification_data(8, (6,))
+    x, y = batch(8, (6,), device)
     F.cross_entropy(model(x), y).backward()
     raw = {
         n: grad_matrix(model.get_submodule(n)).clone() for n in ('fc1', 'fc2')
@@ -261,8 +285,9 @@ def test_no_decomposition_ever_leaves_the_raw_gradient(
 
 def test_nonfinite_preconditioned_gradient_keeps_the_original(
     caplog: pytest.LogCaptureFixture,
+    device: torch.device,
 ) -> None:
-    model = TinyMLP().double()
+    model = TinyMLP().to(device, F64)
     precon = KFACPreconditioner(model)
     good_step(model, precon, 0)
     layer = precon.layers['fc1']
@@ -270,7 +295,7 @@ def test_nonfinite_preconditioned_gradient_keeps_the_original(
     q, outer = layer.g.decomposition  # type: ignore[misc]
     layer.set_decomposition('G', (q, torch.full_like(outer, math.inf)))
     model.zero_grad()
-    x, y = classification_data(8, (6,), seed=1)
+    x, y = batch(8, (6,), device, seed=1)
     F.cross_entropy(model(x), y).backward()
     raw = grad_matrix(model.fc1).clone()
     with caplog.at_level(logging.WARNING, logger='kfac'):
@@ -285,6 +310,7 @@ def test_nonfinite_preconditioned_gradient_keeps_the_original(
 
 def test_failed_cholesky_without_an_exception_is_retried(
     monkeypatch: pytest.MonkeyPatch,
+    device: torch.device,
 ) -> None:
     """``cholesky_ex`` reports failure through ``info``, not by raising."""
     original = kmath.damped_inverse_ex
@@ -298,9 +324,9 @@ def test_failed_cholesky_without_an_exception_is_retried(
         return inverse, info
 
     torch.manual_seed(0)
-    model = TinyMLP()
+    model = TinyMLP().to(device)
     plain = copy.deepcopy(model)
-    x, y = classification_data(8, (6,))
+    x, y = batch(8, (6,), device)
     reference = KFACPreconditioner(plain, compute_method='inverse')
     F.cross_entropy(plain(x.float()), y).backward()
     reference.step()
@@ -323,6 +349,7 @@ def test_failed_cholesky_without_an_exception_is_retried(
 
 def test_outer_product_without_a_eigenvalues_counts_g_as_failed(
     monkeypatch: pytest.MonkeyPatch,
+    device: torch.device,
 ) -> None:
     """A fails in every attempt at the first decomposition; G succeeds but
     cannot form ``1/(d_G d_Aᵀ + λ)``: counted as a failure, no crash.
@@ -337,10 +364,10 @@ def test_outer_product_without_a_eigenvalues_counts_g_as_failed(
         return original(matrix, dtype)
 
     monkeypatch.setattr(eigen_module, 'symmetric_eigh', eigh_fails_on_a)
-    model = TinyMLP().double()
+    model = TinyMLP().to(device, F64)
     precon = KFACPreconditioner(model, kl_clip=None)
     model.zero_grad()
-    x, y = classification_data(8, (6,))
+    x, y = batch(8, (6,), device)
     F.cross_entropy(model(x), y).backward()
     raw = grad_matrix(model.fc1).clone()
     precon.step()
