@@ -72,3 +72,12 @@ clean:
 .PHONY: bench
 bench: $(STAMP)
 	$(PY) -m benchmarks --out build/bench.json
+
+# `make gpu-check`: the CUDA and NCCL paths (oracles in float64 and float32,
+# autocast with a GradScaler, robustness, host syncs, the DDP oracle with
+# NCCL, the benchmarks) on this machine's GPUs, in at most ~8 minutes. Uses
+# $(PYTHON) and its own torch and pytest: no venv, nothing installed. Says
+# why and succeeds without a GPU. scripts/gpu_check.py --help for options.
+.PHONY: gpu-check
+gpu-check:
+	PYTHONPATH=$(CURDIR)$${PYTHONPATH:+:$$PYTHONPATH} $(PYTHON) scripts/gpu_check.py $(GPU_CHECK_ARGS)
