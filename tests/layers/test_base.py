@@ -6,6 +6,8 @@ method decomposes is in test_eigen.py and test_inverse.py.
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from torch import nn
@@ -90,6 +92,25 @@ def test_half_captured_batch_is_dropped() -> None:
     assert layer.update_factors(0.9) is None
     assert layer.a.value is None
     assert layer.memory_usage()['a_batch'] == 0
+
+
+def test_non_finite_batch_rolls_back_both_factors() -> None:
+    """A NaN in G's batch: the update says so, and rolling back restores
+    A as well, whose own batch was finite.
+    """
+    layer, _, _ = layer_with_data()
+    assert layer.update_factors(0.9)
+    layer.commit_factors()
+    a, g = layer.a.value, layer.g.value
+    layer.save_layer_input(torch.randn(6, 4, dtype=F64), now=True)
+    bad = torch.randn(6, 3, dtype=F64)
+    bad[2, 1] = math.nan
+    layer.save_layer_grad_output(bad, now=True)
+    finite = layer.update_factors(0.9)
+    assert finite is not None and not bool(finite)
+    assert layer.a.value is not a  # A's finite batch was folded in
+    layer.rollback_factors()
+    assert layer.a.value is a and layer.g.value is g
 
 
 @pytest.mark.parametrize('cls', METHODS)
