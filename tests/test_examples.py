@@ -19,6 +19,7 @@ import torch.distributed as dist
 
 from examples import comparison
 from examples import fashion_mnist
+from examples import resnet
 from examples import torch_cifar10_resnet
 from examples import torch_imagenet_resnet
 from examples import train_ddp
@@ -253,8 +254,17 @@ def test_imagenet_resnet_two_steps(tmp_path: pathlib.Path) -> None:
     assert result.epochs_trained == 1
     assert np.isfinite(result.train_loss)
     state = torch.load(tmp_path / 'checkpoint.pt', weights_only=True)
-    # every convolution and the classifier are preconditioned
-    assert len(state['kfac']['layers']) == 54
+    # every convolution and the classifier are preconditioned, and have
+    # factors after the two steps
+    model = resnet.resnet50(classes=10, width=8)
+    expected = {
+        name
+        for name, module in model.named_modules()
+        if isinstance(module, torch.nn.Conv2d | torch.nn.Linear)
+    }
+    layers = state['kfac']['layers']
+    assert set(layers) == expected
+    assert all(set(factors) == {'A', 'G'} for factors in layers.values())
 
 
 def test_resnet_examples_need_data_or_synthetic() -> None:
