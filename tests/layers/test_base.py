@@ -12,7 +12,6 @@ import pytest
 import torch
 from torch import nn
 
-from kfac.distributed import TorchDistributedCommunicator
 from kfac.layers.base import KFACBaseLayer
 from kfac.layers.eigen import KFACEigenLayer
 from kfac.layers.inverse import KFACInverseLayer
@@ -224,18 +223,3 @@ def test_float32_factor_and_inverse_dtypes_on_a_float64_module() -> None:
     assert written is not None
     assert written.dtype == F64
     assert_rel_close(written, expected, rtol=1e-5, label='float32')
-
-
-# Collective methods (moving to kfac.exchange) ------------------------------
-
-
-def test_reduce_factors_before_update_raises() -> None:
-    layer = KFACEigenLayer(LinearModuleHelper(nn.Linear(2, 2)))
-    with pytest.raises(RuntimeError, match='reduce_factors before update'):
-        list(
-            layer.reduce_factors(
-                TorchDistributedCommunicator(),
-                None,
-                bucketed=False,
-            ),
-        )

@@ -29,6 +29,10 @@ def test_deprecated_collectives_warn_and_forward() -> None:
     with pytest.warns(DeprecationWarning, match='start_decomposition_broad'):
         handles = layer.broadcast_decomposition('A', comm, src=0, group=None)
     assert all(torch.isnan(h.wait()).all() for h in handles)  # none yet
+    layer.module.module.weight.grad = torch.ones(2, 3, dtype=F64)
+    assert layer.compute_decomposition('A', 0.1)
+    assert layer.compute_decomposition('G', 0.1)
+    expected = layer.precondition_grad(0.1)
     with pytest.warns(DeprecationWarning, match='start_grad_broadcast'):
         handle = layer.broadcast_grad(comm, src=0, group=None)
-    assert handle.wait().shape == (2, 4)
+    assert handle.wait() is expected
