@@ -34,6 +34,7 @@ from kfac.hyperparams import Hyperparameters
 from kfac.hyperparams import HyperparameterValues
 from kfac.layers.base import FACTOR_NAMES
 from kfac.layers.base import KFACBaseLayer
+from kfac.layers.decomposition import decompose_all
 from kfac.math import kl_clip_scale
 from kfac.tracing import PhaseTimer
 from kfac.validation import check_bool
@@ -105,20 +106,18 @@ class BaseKFACPreconditioner(EngineState):
             WorkAssignment,
             'a kfac.assignment.WorkAssignment',
         )
-        if hyperparameters is not None:
-            check_instance(
-                'hyperparameters',
-                hyperparameters,
-                Hyperparameters,
-                'None or a kfac.hyperparams.Hyperparameters',
-            )
-        if communicator is not None:
-            check_instance(
-                'communicator',
-                communicator,
-                TorchDistributedCommunicator,
-                'None or a kfac.distributed.TorchDistributedCommunicator',
-            )
+        check_instance(
+            'hyperparameters',
+            hyperparameters,
+            (Hyperparameters, type(None)),
+            'None or a kfac.hyperparams.Hyperparameters',
+        )
+        check_instance(
+            'communicator',
+            communicator,
+            (TorchDistributedCommunicator, type(None)),
+            'None or a kfac.distributed.TorchDistributedCommunicator',
+        )
         check_bool('bucketed', bucketed)
         check_bool('update_factors_in_hook', update_factors_in_hook)
         check_grad_scaler(grad_scaler)
@@ -297,28 +296,20 @@ class BaseKFACPreconditioner(EngineState):
             if plan.inv_worker(name, f) == rank
         ]
         with self._phase('decomposition'):
-            # First attempts everywhere, then one host synchronisation reads
-            # all their validity flags; only failures are retried.
-            first = [
-                self._layers[name].try_decomposition(f, damping)
-                for name, f in jobs
-            ]
-            flags = [result.valid for result in first if result is not None]
-            valid = iter(torch.stack(flags).tolist() if flags else [])
-            for (name, f), result in zip(jobs, first):
-                layer = self._layers[name]
-                ok = result is not None and next(valid)
-                if not layer.finish_decomposition(f, damping, result, ok):
-                    self._log_once(
-                        'decomposition',
-                        name,
-                        'K-FAC: decomposing a factor of %s failed in every '
-                        'attempt (float64, jitter); the last good '
-                        'decomposition is kept, and without one the '
-                        'gradient goes unpreconditioned (counters: %s)',
-                        name,
-                        dict(layer.counters),
-                    )
+            layers = [(self._layers[name], f) for name, f in jobs]
+            failed = decompose_all(layers, damping)
+        for index in failed:
+            name = jobs[index][0]
+            self._log_once(
+                'decomposition',
+                name,
+                'K-FAC: decomposing a factor of %s failed in every attempt '
+                '(float64, jitter); the last good decomposition is kept, and '
+                'without one the gradient goes unpreconditioned (counters: '
+                '%s)',
+                name,
+                dict(self._layers[name].counters),
+            )
         self._decomposed.update(ready)
         if plan.broadcast_inverses():
             with self._phase('decomposition_broadcast'):

@@ -32,7 +32,9 @@ and keeps a loader for the previous version (see `CHANGELOG.md`).
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from collections.abc import Mapping
+from typing import Any
 from typing import TypedDict
 
 import torch
@@ -272,4 +274,30 @@ def parse_state(
         steps=int(checked['steps']),  # type: ignore[call-overload]  # an int: _check_header checked it
         hyperparameters=dict(hyperparameters),
         layers=layers,
+    )
+
+
+# Deprecated: the engine saves and loads its own state ---------------------
+
+
+def preconditioner_state(precon: Any, include_decompositions: bool) -> Any:
+    """Deprecated: use `precon.state_dict(include_decompositions)`."""
+    _deprecated('preconditioner_state', 'state_dict')
+    return precon.state_dict(include_decompositions)
+
+
+def load_preconditioner_state(
+    precon: Any, state: Mapping[str, Any], *, strict: bool
+) -> None:
+    """Deprecated: use `precon.load_state_dict(state, strict)`."""
+    _deprecated('load_preconditioner_state', 'load_state_dict')
+    precon.load_state_dict(state, strict)
+
+
+def _deprecated(old: str, new: str) -> None:
+    warnings.warn(
+        f'kfac.state.{old} is deprecated and will be removed in the next '
+        f'release; use BaseKFACPreconditioner.{new}',
+        DeprecationWarning,
+        stacklevel=3,
     )

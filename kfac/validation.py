@@ -242,13 +242,15 @@ def check_dtype(name: str, value: object) -> torch.dtype | None:
     return value
 
 
-def check_instance(name: str, value: object, kind: type, what: str) -> None:
+def check_instance(
+    name: str, value: object, kind: type | tuple[type, ...], what: str
+) -> None:
     """Raise `TypeError` unless `value` is an instance of `kind`.
 
     Args:
         name: the argument's name.
         value: the value given.
-        kind: the class required.
+        kind: the class required, or a tuple of allowed classes.
         what: how the message names it, e.g. `'a dict'`.
 
     """

@@ -7,6 +7,7 @@ retried in float64, then in float64 with a small diagonal jitter.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 from typing import NamedTuple
 
@@ -212,3 +213,26 @@ class DecompositionAttempts:
         depends on another factor's decomposition, which failed).
         """
         return tensors
+
+
+def decompose_all(
+    jobs: Sequence[tuple[DecompositionAttempts, str]], damping: float
+) -> list[int]:
+    """Decompose factor `name` of each `(layer, name)` in `jobs`.
+
+    All first attempts run, then one host synchronisation reads their
+    validity flags; only the failed ones are retried (see
+    [`compute_decomposition`][kfac.layers.decomposition.DecompositionAttempts.compute_decomposition]).
+
+    Returns:
+        The indices of the jobs whose every attempt failed.
+    """
+    first = [layer.try_decomposition(name, damping) for layer, name in jobs]
+    flags = [result.valid for result in first if result is not None]
+    valid = iter(torch.stack(flags).tolist() if flags else [])
+    failed = []
+    for index, ((layer, name), result) in enumerate(zip(jobs, first)):
+        ok = result is not None and next(valid)
+        if not layer.finish_decomposition(name, damping, result, ok):
+            failed.append(index)
+    return failed
