@@ -39,14 +39,17 @@ def test_hyperparameter_values_follow_schedules_per_step() -> None:
 
 
 def test_saved_decomposition_without_factors_is_not_used() -> None:
-    options = {'factor_update_steps': 10, 'inv_update_steps': 10}
     model = TinyMLP().double()
-    precon = KFACPreconditioner(model, **options)
+    precon = KFACPreconditioner(
+        model, factor_update_steps=10, inv_update_steps=10
+    )
     _step(precon, model)
     state = precon.state_dict()
     state['layers']['fc1'] = {}  # factors lost, decomposition kept
     model2 = TinyMLP().double()
-    other = KFACPreconditioner(model2, **options)
+    other = KFACPreconditioner(
+        model2, factor_update_steps=10, inv_update_steps=10
+    )
     other.load_state_dict(state)
     assert not other.layers['fc1'].has_factors
     assert other.layers['fc2'].has_decomposition
