@@ -19,6 +19,7 @@ from kfac import layers
 from kfac import math
 from kfac import placement
 from kfac import preconditioner
+from kfac import report
 from kfac import scheduler
 from kfac import state
 from kfac import tracing
@@ -39,6 +40,7 @@ __all__ = [
     'math',
     'placement',
     'preconditioner',
+    'report',
     'scheduler',
     'state',
     'tracing',

@@ -39,27 +39,12 @@ from kfac.math import kl_clip_scale
 from kfac.tracing import PhaseTimer
 from kfac.validation import check_bool
 from kfac.validation import check_instance
+from kfac.validation import check_mapping
 from kfac.validation import validate_int
 
 __all__ = ['BaseKFACPreconditioner', 'GradScalerLike']
 
 logger = logging.getLogger(__name__)
-
-
-def _check_layers(layers: object) -> None:
-    if not isinstance(layers, Mapping):
-        raise TypeError(
-            'layers must be a mapping of module names to KFACBaseLayer; got '
-            f'{type(layers).__name__}',
-        )
-    if not layers:
-        raise ValueError('layers must contain at least one layer')
-    for name, layer in layers.items():
-        if not isinstance(name, str) or not isinstance(layer, KFACBaseLayer):
-            raise TypeError(
-                'layers must map str names to KFACBaseLayer instances; got '
-                f'{name!r}: {type(layer).__name__}',
-            )
 
 
 class BaseKFACPreconditioner(EngineState):
@@ -99,7 +84,7 @@ class BaseKFACPreconditioner(EngineState):
         bucketed: bool = True,
         loglevel: int = logging.DEBUG,
     ) -> None:
-        _check_layers(layers)
+        check_mapping('layers', layers, KFACBaseLayer, 'KFACBaseLayer')
         check_instance(
             'assignment',
             assignment,
@@ -150,6 +135,7 @@ class BaseKFACPreconditioner(EngineState):
             in_hook=update_factors_in_hook,
             on_complete=self._on_captured,
             phase=self._phase,
+            log_once=self._log_once,
         )
 
     def __repr__(self) -> str:
@@ -206,6 +192,17 @@ class BaseKFACPreconditioner(EngineState):
         """
         if not self._capture.attached:
             raise RuntimeError('this preconditioner was removed')
+        if not self._capture.take_fresh():
+            self._log_once(
+                'no-backward',
+                '',
+                'K-FAC: step() was called with no backward pass since the '
+                'last step() (or since construction); no gradient was '
+                'preconditioned and the step count stays at %d',
+                self._steps,
+            )
+            return
+        self._capture.follow_modules()
         values = self.hyperparameter_values()
         if self._steps % values.factor_update_steps == 0:
             self._update_factors()
@@ -221,7 +218,15 @@ class BaseKFACPreconditioner(EngineState):
         self._finished.add(name)
         with self._phase('running_average'):
             finite = layer.update_factors(self.factor_decay)
-        if finite is None:
+        if finite is None and not layer.module.weight.requires_grad:
+            self._log_once(
+                'frozen',
+                name,
+                'K-FAC: module %s was frozen after the preconditioner was '
+                'built; its factors are not updated until it trains again',
+                name,
+            )
+        elif finite is None:
             self._log_once(
                 'no-data',
                 name,
@@ -231,11 +236,13 @@ class BaseKFACPreconditioner(EngineState):
                 name,
                 self._steps,
             )
+        if finite is None:
             return
         with self._phase('factor_allreduce'):
             self._reduction.start(name, layer, finite)
 
     def _update_factors(self) -> None:
+        self._capture.flush()
         for name, layer in self._layers.items():
             if name not in self._finished:
                 self._finish_factors(name, layer)
@@ -243,25 +250,17 @@ class BaseKFACPreconditioner(EngineState):
                 self._log_once(
                     'reuse',
                     name,
-                    'K-FAC: module %s ran more than accumulation_steps times '
-                    'in a step; the extra passes are ignored (use '
-                    'update_factors_in_hook=False for shared modules)',
+                    'K-FAC: module %s got more backward passes than '
+                    'accumulation_steps in one step; the extra passes are '
+                    'ignored (set accumulation_steps to the number of '
+                    'backward passes per step)',
                     name,
                 )
                 layer.reset_batch()
         with self._phase('factor_allreduce'):
-            names, bad_count = self._reduction.finish()
-        self._resolve_health(names, bad_count)
+            bad_count = self._reduction.finish()
         self._finished.clear()
-
-    def _resolve_health(self, names: list[str], bad_count: int) -> None:
-        """Commit the step's factor updates, or roll all of them back."""
-        for name in names:
-            layer = self._layers[name]
-            if bad_count:
-                layer.rollback_factors()
-            else:
-                layer.commit_factors()
+        self._capture.reset()
         if bad_count:
             self.counters['nonfinite_statistics_steps'] += 1
             logger.warning(
@@ -392,6 +391,7 @@ class BaseKFACPreconditioner(EngineState):
         for layer in self._layers.values():
             layer.reset_batch()
         self._finished.clear()
+        self._capture.reset()
 
     def remove(self) -> None:
         """Remove every hook and drop captured data; `step()` then raises."""

@@ -134,25 +134,32 @@ class FactorReduction:
         self._started.append((name, layer, handles))
         self._finite.append(finite)
 
-    def finish(self) -> tuple[list[str], int]:
+    def finish(self) -> int:
         """Wait for every started allreduce and store the averages.
 
+        The updates are then committed on every layer reduced, or, if any
+        rank had a non-finite batch statistic, all rolled back (every rank
+        decides the same).
+
         Returns:
-            The names of the layers reduced, and the number of non-finite
-            batch statistics summed over all ranks (0: commit them all).
+            The number of non-finite batch statistics summed over all
+            ranks (0: the updates were committed).
         """
         bad = start_health_reduction(self.comm, self._finite)
         self.comm.flush()
-        names = []
-        for name, layer, handles in self._started:
-            names.append(name)
+        for _, layer, handles in self._started:
             for factor, handle in zip(layer.factors, handles):
                 value = wait(handle, f'factor {factor.name} allreduce')
                 layer.set_factor(factor.name, value)
+        bad_count = 0 if bad is None else int(wait(bad, 'health allreduce'))
+        for _, layer, _ in self._started:
+            if bad_count:
+                layer.rollback_factors()
+            else:
+                layer.commit_factors()
         self._started.clear()
         self._finite.clear()
-        bad_count = 0 if bad is None else int(wait(bad, 'health allreduce'))
-        return names, bad_count
+        return bad_count
 
 
 # Decompositions ----------------------------------------------------------

@@ -34,6 +34,17 @@ inputs, or the `T` spatial output positions of a convolution) follows the
 *count* (`N T` rows for `A`, `N` examples for `G`) so that
 micro-batches and ranks combine exactly.
 
+Several calls of one module before one backward pass (a shared module,
+siamese or contrastive passes, `loss = Σ_c L_c` with `L_c` the mean over
+the `N` examples of call `c`) are further positions of the same examples:
+with `C` calls of `T` positions each,
+`A = (1/(N C T)) Σ_{n,c,t} ã ãᵀ` and `G = (1/N) Σ_n Σ_{c,t} g gᵀ`, where
+`g = N ∂L/∂s` (`L = (1/N) Σ_n ℓ_n` with `ℓ_n = Σ_c ℓ_{n,c}`). A call
+counts only once its output's gradient arrives; each backward pass is one
+micro-batch (`N` counted once per pass, the largest `N` of its calls).
+The number of examples `N` is read from the layout of the input
+(`batch_first`), never assumed to be `shape[0]`.
+
 Running average: `F ← ξ F + (1 - ξ) F_batch` with `ξ = factor_decay`; the
 first update sets `F = F_batch`.
 

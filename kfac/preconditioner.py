@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import logging
 from collections.abc import Callable
 from collections.abc import Iterable
+from collections.abc import Mapping
+from typing import Any
 
 import torch
 from torch import nn
@@ -26,10 +29,15 @@ from kfac.layers.base import KFACBaseLayer
 from kfac.layers.eigen import KFACEigenLayer
 from kfac.layers.inverse import KFACInverseLayer
 from kfac.layers.modules import ModuleHelper
+from kfac.layers.options import ModuleOptions
+from kfac.layers.options import check_module_options
+from kfac.layers.register import Registration
 from kfac.layers.register import compile_patterns
-from kfac.layers.register import register_modules
+from kfac.layers.register import register_model
 from kfac.placement import factor_cost
 from kfac.placement import parse_grad_worker_fraction
+from kfac.report import describe_registration
+from kfac.report import format_report
 from kfac.validation import check_bool
 from kfac.validation import check_choice
 from kfac.validation import check_dtype
@@ -84,6 +92,8 @@ class KFACConfig:
     update_factors_in_hook: bool = True
     loglevel: int = logging.DEBUG
     loss_reduction: str = 'mean'
+    batch_first: bool = True
+    module_options: Mapping[str, Mapping[str, Any]] | None = None
 
     def __post_init__(self) -> None:
         checked = {
@@ -117,12 +127,19 @@ class KFACConfig:
             'loss_reduction': check_choice(
                 'loss_reduction', self.loss_reduction, LOSS_REDUCTIONS
             ),
+            'module_options': {
+                pattern: dict(options)
+                for pattern, options in check_module_options(
+                    self.module_options
+                )
+            },
         }
         for name in (
             'colocate_factors',
             'compute_eigenvalue_outer_product',
             'symmetry_aware',
             'update_factors_in_hook',
+            'batch_first',
         ):
             checked[name] = check_bool(name, getattr(self, name))
         for name, value in checked.items():
@@ -136,6 +153,14 @@ class KFACConfig:
                 'compute_eigenvalue_outer_product=True needs '
                 'colocate_factors=True (both eigendecompositions on one rank)',
             )
+
+
+def _unwrap(model: nn.Module) -> nn.Module:
+    """The model inside a `DistributedDataParallel` wrapper."""
+    if isinstance(model, nn.parallel.DistributedDataParallel):
+        inner: nn.Module = model.module
+        return inner
+    return model
 
 
 def _make_layer(helper: ModuleHelper, config: KFACConfig) -> KFACBaseLayer:
@@ -197,6 +222,13 @@ class KFACPreconditioner(BaseKFACPreconditioner):
         update_factors_in_hook: compute statistics in the hooks.
         loglevel: level of informational log messages.
         loss_reduction: `'mean'` or `'sum'`: the reduction of the loss.
+        batch_first: the model-wide layout of module inputs: `(N, ...)`, or
+            with False `(T, N, ...)` (sequence-first); modules inside an
+            `nn.MultiheadAttention` or `nn.Transformer*` follow its own
+            `batch_first` (see [`kfac.layers.options`][kfac.layers.options]).
+        module_options: per-module overrides of the options above that are
+            per module (`batch_first`): `{pattern: {option: value}}`, a
+            pattern selecting modules by dotted name or class name.
 
     Every hyperparameter (`factor_update_steps` to `lr`) may also be a
     callable `step -> value`.
@@ -228,6 +260,8 @@ class KFACPreconditioner(BaseKFACPreconditioner):
         update_factors_in_hook: bool = True,
         loglevel: int = logging.DEBUG,
         loss_reduction: str = 'mean',
+        batch_first: bool = True,
+        module_options: Mapping[str, Mapping[str, Any]] | None = None,
     ) -> None:
         check_instance('model', model, nn.Module, 'a torch.nn.Module')
         hyperparameters = Hyperparameters(
@@ -253,10 +287,22 @@ class KFACPreconditioner(BaseKFACPreconditioner):
             update_factors_in_hook=update_factors_in_hook,
             loglevel=loglevel,
             loss_reduction=loss_reduction,
+            batch_first=batch_first,
+            module_options=module_options,
         )
         self.config = config
         self.model = model
-        layers = self._build_layers(model, config)
+        self.registration = self._register(model, config)
+        modules = dict(_unwrap(model).named_modules())
+        self._frozen = {
+            entry.name: modules[entry.name].weight
+            for entry in self.registration.skipped
+            if entry.reason.startswith('frozen')
+        }
+        layers = {
+            name: _make_layer(helper, config)
+            for name, helper in self.registration.helpers.items()
+        }
         work = {
             name: {
                 f.name: factor_cost(f.dim, config.assignment_strategy)
@@ -285,30 +331,44 @@ class KFACPreconditioner(BaseKFACPreconditioner):
             bucketed=config.allreduce_bucket_cap_mb > 0,
             loglevel=config.loglevel,
         )
-        logger.log(
-            config.loglevel,
-            'K-FAC registered %d layers (%s); %s; %s',
-            len(layers),
-            ', '.join(layers),
-            config,
-            assignment,
-        )
+        self._report = describe_registration(self.registration, layers)
+        logger.info('%s', format_report(self._report))
+        logger.log(config.loglevel, 'K-FAC: %s; %s', config, assignment)
 
     @staticmethod
-    def _build_layers(
-        model: nn.Module,
-        config: KFACConfig,
-    ) -> dict[str, KFACBaseLayer]:
-        if isinstance(model, nn.parallel.DistributedDataParallel):
-            model = model.module
-        helpers = register_modules(model, skip_layers=config.skip_layers)
-        if not helpers:
+    def _register(model: nn.Module, config: KFACConfig) -> Registration:
+        registration = register_model(
+            _unwrap(model),
+            skip_layers=config.skip_layers,
+            defaults=ModuleOptions(batch_first=config.batch_first),
+            module_options=config.module_options,
+        )
+        if not registration.helpers:
             raise ValueError(
                 'model has no module K-FAC can precondition: it needs an '
                 'nn.Linear or nn.Conv2d (groups=1) whose weight requires '
                 'grad and that skip_layers does not exclude',
             )
-        return {
-            name: _make_layer(helper, config)
-            for name, helper in helpers.items()
-        }
+        return registration
+
+    def describe(self) -> dict[str, list[dict[str, Any]]]:
+        """The registration report (logged at `INFO` at construction).
+
+        Returns:
+            `{'preconditioned': [...], 'not_preconditioned': [...]}`: see
+                [`describe_registration`][kfac.report.describe_registration].
+        """
+        return copy.deepcopy(self._report)
+
+    def _update_factors(self) -> None:
+        super()._update_factors()
+        for name, weight in self._frozen.items():
+            if weight.requires_grad:
+                self._log_once(
+                    'unfrozen',
+                    name,
+                    'K-FAC: module %s was frozen when the preconditioner was '
+                    'built and now trains without K-FAC; build a new '
+                    'preconditioner to precondition it',
+                    name,
+                )

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import math
 import numbers
+from collections.abc import Mapping
 from collections.abc import Sequence
 from typing import TypeGuard
 
@@ -256,3 +257,28 @@ def check_instance(
     """
     if not isinstance(value, kind):
         raise type_error(name, value, what)
+
+
+def check_mapping(name: str, value: object, kind: type, what: str) -> None:
+    """Raise unless `value` is a non-empty mapping of `str` to `kind`.
+
+    Args:
+        name: the argument's name.
+        value: the value given.
+        kind: the class of the values.
+        what: how the message names the values, e.g. `'KFACBaseLayer'`.
+
+    Raises:
+        TypeError: not a mapping, or a key or value of the wrong type.
+        ValueError: an empty mapping.
+    """
+    if not isinstance(value, Mapping):
+        raise type_error(name, value, f'a mapping of str names to {what}')
+    if not value:
+        raise ValueError(f'{name} must contain at least one {what}')
+    for key, item in value.items():
+        if not isinstance(key, str) or not isinstance(item, kind):
+            raise TypeError(
+                f'{name} must map str names to {what} instances; got '
+                f'{key!r}: {type(item).__name__}',
+            )

@@ -320,7 +320,7 @@ BOUNDARIES: list[tuple[str, Callable[[], object], type[Exception], str]] = [
         'BaseKFACPreconditioner layers empty',
         lambda: BaseKFACPreconditioner({}, assignment=_assignment()),
         ValueError,
-        'at least one layer',
+        'layers must contain at least one KFACBaseLayer',
     ),
     (
         'BaseKFACPreconditioner layers values',

@@ -1,7 +1,8 @@
 """Per-layer K-FAC: module helpers, registration and the two methods.
 
 `import kfac.layers` imports its submodules (`base`, `compat`,
-`decomposition`, `eigen`, `factor`, `inverse`, `modules`, `register`).
+`decomposition`, `eigen`, `factor`, `inverse`, `modules`, `options`,
+`register`, `statistics`).
 """
 
 from __future__ import annotations
@@ -13,7 +14,9 @@ from kfac.layers import eigen
 from kfac.layers import factor
 from kfac.layers import inverse
 from kfac.layers import modules
+from kfac.layers import options
 from kfac.layers import register
+from kfac.layers import statistics
 from kfac.layers.base import KFACBaseLayer
 from kfac.layers.eigen import KFACEigenLayer
 from kfac.layers.inverse import KFACInverseLayer
@@ -29,5 +32,7 @@ __all__ = [
     'factor',
     'inverse',
     'modules',
+    'options',
     'register',
+    'statistics',
 ]

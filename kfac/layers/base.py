@@ -24,12 +24,9 @@ from kfac.layers.decomposition import Decomposed
 from kfac.layers.decomposition import DecompositionAttempts
 from kfac.layers.decomposition import Layout
 from kfac.layers.decomposition import LinAlgError
-from kfac.layers.factor import KroneckerFactor
 from kfac.layers.modules import ModuleHelper
-from kfac.math import compute_dtype
-from kfac.validation import check_choice
-from kfac.validation import check_dtype
-from kfac.validation import check_instance
+from kfac.layers.statistics import LOSS_REDUCTIONS
+from kfac.layers.statistics import LayerStatistics
 
 __all__ = [
     'FACTOR_NAMES',
@@ -45,11 +42,10 @@ __all__ = [
 FACTOR_NAMES = ('A', 'G')
 """The names of a layer's two factors, in the order they are handled."""
 
-LOSS_REDUCTIONS = ('mean', 'sum')
-"""Allowed values of `loss_reduction`."""
 
-
-class KFACBaseLayer(DecompositionAttempts, DeprecatedCollectives, abc.ABC):
+class KFACBaseLayer(
+    LayerStatistics, DecompositionAttempts, DeprecatedCollectives, abc.ABC
+):
     """K-FAC state of one module.
 
     Args:
@@ -74,38 +70,11 @@ class KFACBaseLayer(DecompositionAttempts, DeprecatedCollectives, abc.ABC):
         inv_dtype: torch.dtype | None = None,
         loss_reduction: str = 'mean',
     ) -> None:
-        check_instance(
-            'module',
+        super().__init__(
             module,
-            ModuleHelper,
-            'a kfac.layers.modules.ModuleHelper',
-        )
-        check_dtype('factor_dtype', factor_dtype)
-        check_dtype('inv_dtype', inv_dtype)
-        check_choice('loss_reduction', loss_reduction, LOSS_REDUCTIONS)
-        self.module = module
-        self.loss_reduction = loss_reduction
-        param_dtype = module.weight.dtype
-        stat_dtype = compute_dtype(param_dtype, factor_dtype or param_dtype)
-        self.factor_dtype = factor_dtype or compute_dtype(param_dtype)
-        self.inv_dtype = inv_dtype or compute_dtype(param_dtype)
-        self.decomposition_dtype = compute_dtype(self.inv_dtype)
-        self.a = KroneckerFactor(
-            'A',
-            module.a_factor_shape[0],
-            lambda x, _: module.a_statistic(x, stat_dtype),
-            self.factor_dtype,
-        )
-        self.g = KroneckerFactor(
-            'G',
-            module.g_factor_shape[0],
-            lambda x, m: module.g_statistic(
-                x,
-                stat_dtype,
-                m,
-                per_example=loss_reduction == 'mean',
-            ),
-            self.factor_dtype,
+            factor_dtype=factor_dtype,
+            inv_dtype=inv_dtype,
+            loss_reduction=loss_reduction,
         )
         self.grad: torch.Tensor | None = None
         """The preconditioned gradient of the current step, if any."""
@@ -120,104 +89,11 @@ class KFACBaseLayer(DecompositionAttempts, DeprecatedCollectives, abc.ABC):
     def __repr__(self) -> str:
         return f'{type(self).__name__}({self.module.module!r})'
 
-    # Factors ---------------------------------------------------------------
-
-    @property
-    def factors(self) -> tuple[KroneckerFactor, KroneckerFactor]:
-        """`(A, G)`."""
-        return (self.a, self.g)
-
-    def factor(self, name: str) -> KroneckerFactor:
-        """The factor called `name` (`'A'` or `'G'`)."""
-        if name == 'A':
-            return self.a
-        if name == 'G':
-            return self.g
-        raise ValueError(f'factor name must be "A" or "G"; got {name!r}')
-
-    def save_layer_input(
-        self, layer_input: torch.Tensor, *, now: bool
-    ) -> None:
-        """Capture the module input of one micro-batch (forward hook)."""
-        self.a.capture(layer_input, 1.0, now=now)
-
-    def save_layer_grad_output(
-        self,
-        grad_output: torch.Tensor,
-        *,
-        loss_scale: float = 1.0,
-        accumulation_steps: int = 1,
-        now: bool,
-    ) -> None:
-        """Capture the output gradient of one micro-batch (backward hook).
-
-        Args:
-            grad_output: gradient of the (scaled) loss w.r.t. the output.
-            loss_scale: the mixed-precision loss scale to divide out.
-            accumulation_steps: micro-batches in the step; with `'mean'`
-                reduction each micro-batch loss is assumed divided by it, so
-                the output gradient is multiplied back.
-            now: compute the statistic now instead of keeping the tensor.
-
-        """
-        accumulation = (
-            accumulation_steps if self.loss_reduction == 'mean' else 1
-        )
-        self.g.capture(grad_output, accumulation / loss_scale, now=now)
-
-    @property
-    def captures(self) -> tuple[int, int]:
-        """Captures of `A` and of `G` since the last factor update."""
-        return (self.a.captures, self.g.captures)
-
-    def update_factors(self, decay: float) -> torch.Tensor | None:
-        """Fold the captured batch into both running averages, provisionally.
-
-        Returns:
-            None if the module did not run (nothing changes), else a 0-d
-                bool tensor: whether both batch statistics were finite. The
-                caller then calls
-                [`commit_factors`][kfac.layers.base.KFACBaseLayer.commit_factors]
-                or
-                [`rollback_factors`][kfac.layers.base.KFACBaseLayer.rollback_factors].
-        """
-        if not (self.a.captures and self.g.captures):
-            self.reset_batch()
-            return None
-        finite_a = self.a.update(decay)
-        finite_g = self.g.update(decay)
-        assert finite_a is not None and finite_g is not None  # both captured
-        return torch.logical_and(finite_a, finite_g)
-
-    def commit_factors(self) -> None:
-        """Keep the last `update_factors`."""
-        for factor in self.factors:
-            factor.commit()
-
-    def rollback_factors(self) -> None:
-        """Undo the last `update_factors`."""
-        for factor in self.factors:
-            factor.rollback()
-
-    def reset_batch(self) -> None:
-        """Drop captured data of both factors."""
-        for factor in self.factors:
-            factor.reset_batch()
-
-    @property
-    def has_factors(self) -> bool:
-        """Whether both running factors exist."""
-        return self.a.value is not None and self.g.value is not None
-
-    def set_factor(self, name: str, value: torch.Tensor | None) -> None:
-        """Replace the running factor `name` (a reduced or loaded value).
-
-        The value is moved to the layer's device and factor dtype.
-        """
-        factor = self.factor(name)
-        if value is not None:
-            value = value.to(device=self.device, dtype=factor.dtype)
-        factor.value = value
+    def follow_module(self) -> bool:  # noqa: D102  # documented in the base
+        moved = super().follow_module()
+        if moved:
+            self.grad = self.raw_grad = None
+        return moved
 
     # Decompositions --------------------------------------------------------
 
@@ -276,11 +152,6 @@ class KFACBaseLayer(DecompositionAttempts, DeprecatedCollectives, abc.ABC):
             factor.decomposition = None
 
     # Gradients -------------------------------------------------------------
-
-    @property
-    def device(self) -> torch.device:
-        """Device of the module's weight."""
-        return self.module.weight.device
 
     @property
     def has_grad(self) -> bool:

@@ -8,6 +8,7 @@ running average, and holding the factor's decomposition.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 
@@ -16,6 +17,25 @@ from kfac.math import running_average
 Statistic = Callable[[torch.Tensor, float], tuple[torch.Tensor, int]]
 """Computes `(sum of outer products, count)` from captured hook data and a
 multiplier."""
+
+
+class Captured(NamedTuple):
+    """One capture, ready to be added to a factor's batch.
+
+    Either its statistic was computed (`total`) or its data is kept for
+    later (`data`).
+    """
+
+    total: torch.Tensor | None
+    """`Σ x xᵀ` when computed now."""
+    rows: int
+    """Rows counted (0 for an uncounted capture, or until computed)."""
+    data: torch.Tensor | None
+    """The hook data when the statistic is computed later."""
+    multiplier: float
+    """The multiplier of the rows."""
+    counted: bool
+    """Whether the statistic's count adds to the batch's count."""
 
 
 class KroneckerFactor:
@@ -46,7 +66,7 @@ class KroneckerFactor:
         """Tensors a gradient worker needs to apply this factor's inverse."""
         self._sum: torch.Tensor | None = None
         self._count = 0
-        self._pending: list[tuple[torch.Tensor, float]] = []
+        self._pending: list[Captured] = []
         self._previous: tuple[torch.Tensor | None] | None = None
         self.captures = 0
         """Number of captures since the last reset."""
@@ -58,7 +78,7 @@ class KroneckerFactor:
         *,
         now: bool,
     ) -> None:
-        """Record one micro-batch of hook data.
+        """Record one micro-batch of hook data (counted).
 
         Args:
             data: the module input (`A`) or output gradient (`G`).
@@ -67,21 +87,53 @@ class KroneckerFactor:
                 than keep `data` until `update`.
 
         """
-        self.captures += 1
-        if now:
-            self._accumulate(data, multiplier)
-        else:
-            self._pending.append((data.detach(), multiplier))
+        self.add(self.prepare(data, multiplier, now=now))
 
-    def _accumulate(self, data: torch.Tensor, multiplier: float) -> None:
-        total, count = self._statistic(data, multiplier)
+    def prepare(
+        self,
+        data: torch.Tensor,
+        multiplier: float,
+        *,
+        now: bool,
+        counted: bool = True,
+    ) -> Captured:
+        """A capture of `data` that `add` folds into the batch later.
+
+        Args:
+            data: the module input (`A`) or output gradient (`G`).
+            multiplier: scale applied to the statistic's rows.
+            now: compute the statistic now (frees `data`).
+            counted: the statistic's row count adds to the batch's count;
+                otherwise the count comes from `add_examples`.
+        """
+        if now:
+            total, count = self._statistic(data, multiplier)
+            return Captured(total, count if counted else 0, None, 1.0, True)
+        return Captured(None, 0, data.detach(), multiplier, counted)
+
+    def add(self, captured: Captured) -> None:
+        """Fold a prepared capture into the batch."""
+        self.captures += 1
+        if captured.data is not None:
+            self._pending.append(captured)
+            return
+        assert captured.total is not None  # computed when prepared
+        self._add_sum(captured.total, captured.rows)
+
+    def add_examples(self, count: int) -> None:
+        """Count `count` more examples (for uncounted captures)."""
+        self._count += count
+
+    def _add_sum(self, total: torch.Tensor, count: int) -> None:
         self._sum = total if self._sum is None else self._sum.add_(total)
         self._count += count
 
     def batch_sum(self) -> torch.Tensor | None:
         """Fold in pending data; the batch's `Σ x xᵀ` (None if empty)."""
-        for data, multiplier in self._pending:
-            self._accumulate(data, multiplier)
+        for captured in self._pending:
+            assert captured.data is not None  # only deferred ones pend
+            total, count = self._statistic(captured.data, captured.multiplier)
+            self._add_sum(total, count if captured.counted else 0)
         self._pending.clear()
         return self._sum
 
@@ -135,9 +187,36 @@ class KroneckerFactor:
         self._pending.clear()
         self.captures = 0
 
+    def move(
+        self,
+        device: torch.device,
+        dtype: torch.dtype,
+        decomposition_dtype: torch.dtype,
+    ) -> None:
+        """Move every tensor held to `device`; the running average (and its
+        provisional predecessor) to `dtype`, the decomposition to
+        `decomposition_dtype`.
+        """
+        if self.value is not None:
+            self.value = self.value.to(device, dtype)
+        if self._previous is not None and self._previous[0] is not None:
+            self._previous = (self._previous[0].to(device, dtype),)
+        if self._sum is not None:
+            self._sum = self._sum.to(device)
+        self._pending = [
+            c._replace(data=c.data.to(device)) if c.data is not None else c
+            for c in self._pending
+        ]
+        if self.decomposition is not None:
+            self.decomposition = tuple(
+                t.to(device, decomposition_dtype) for t in self.decomposition
+            )
+        self.dtype = dtype
+
     def memory_usage(self) -> dict[str, int]:
         """Bytes held: `factor`, `batch` and `decomposition`."""
-        batch = sum(_nbytes(t) for t, _ in self._pending) + _nbytes(self._sum)
+        batch = sum(_nbytes(c.data) for c in self._pending)
+        batch += _nbytes(self._sum)
         decomposition = sum(_nbytes(t) for t in self.decomposition or ())
         return {
             'factor': _nbytes(self.value),

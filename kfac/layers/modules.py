@@ -34,6 +34,11 @@ class ModuleHelper(abc.ABC):
 
     module: nn.Module
 
+    batch_first: bool = True
+    """Whether inputs put examples first (see
+    [`ModuleOptions`][kfac.layers.options.ModuleOptions]); set at
+    registration."""
+
     def __init__(self, module: nn.Module) -> None:
         if not isinstance(module, nn.Module) or not isinstance(
             getattr(module, 'weight', None),
@@ -238,8 +243,9 @@ class LinearModuleHelper(ModuleHelper):
     """Helper for `torch.nn.Linear` on inputs of any rank.
 
     An input of shape `(N, *positions, in)` has `N` examples and
-    `prod(positions)` weight-sharing positions each; a 1-D input is one
-    example.
+    `prod(positions)` weight-sharing positions each; with `batch_first`
+    False an input of three or more dimensions is `(T, N, *positions, in)`.
+    A 2-D input is `(N, in)` and a 1-D input one example either way.
     """
 
     def a_columns(  # noqa: D102
@@ -259,6 +265,8 @@ class LinearModuleHelper(ModuleHelper):
         return (rows * scale if scale != 1.0 else rows).T
 
     def batch_size(self, tensor: torch.Tensor) -> int:  # noqa: D102
+        if tensor.dim() > 2 and not self.batch_first:
+            return tensor.shape[1]
         return tensor.shape[0] if tensor.dim() > 1 else 1
 
 

@@ -7,18 +7,19 @@ types (subclasses included) to their
 
 from __future__ import annotations
 
-import logging
+import dataclasses
 import re
 from collections.abc import Iterable
-from collections.abc import Iterator
+from collections.abc import Mapping
 
 from torch import nn
 
 from kfac.layers.modules import Conv2dModuleHelper
 from kfac.layers.modules import LinearModuleHelper
 from kfac.layers.modules import ModuleHelper
-
-logger = logging.getLogger(__name__)
+from kfac.layers.options import ModuleOptions
+from kfac.layers.options import check_module_options
+from kfac.layers.options import resolve_options
 
 KNOWN_MODULES: dict[type[nn.Module], type[ModuleHelper]] = {
     nn.Linear: LinearModuleHelper,
@@ -32,8 +33,7 @@ def get_module_helper(module: nn.Module) -> ModuleHelper | None:
 
     A convolution with `groups > 1` is not supported: K-FAC would need one
     pair of factors per group. It is left to the optimizer unpreconditioned,
-    and [`register_modules`][kfac.layers.register.register_modules] logs a
-    warning naming it.
+    and the registration report lists it.
     """
     for module_type, helper_type in KNOWN_MODULES.items():
         if isinstance(module, module_type):
@@ -81,9 +81,128 @@ def _skipped(name: str, module: nn.Module, patterns: list[str]) -> bool:
     return any(re.search(p, name) or re.search(p, cls) for p in patterns)
 
 
-def _trainable(module: nn.Module) -> bool:
+_FUNCTIONAL = ((nn.MultiheadAttention, 'out_proj'),)
+"""`(parent type, child name)` of modules whose parent uses their weight
+without calling them, so their hooks never fire."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Skipped:
+    """A module with trainable parameters that K-FAC leaves alone."""
+
+    name: str
+    """Its dotted name."""
+    type: str
+    """Its class name."""
+    parameters: tuple[str, ...]
+    """Its own parameters (not its children's)."""
+    reason: str
+    """Why it is not preconditioned."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Registration:
+    """What registration decided for every module of a model."""
+
+    helpers: dict[str, ModuleHelper]
+    """The modules preconditioned, by dotted name, in model order."""
+    options: dict[str, ModuleOptions]
+    """Their resolved options."""
+    sources: dict[str, dict[str, str]]
+    """Where each option of each module came from."""
+    skipped: tuple[Skipped, ...]
+    """Every other module that has parameters, with the reason."""
+
+
+def _functional_parent(
+    modules: Mapping[str, nn.Module], name: str
+) -> str | None:
+    parent, _, child = name.rpartition('.')
+    owner = modules.get(parent)
+    for parent_type, child_name in _FUNCTIONAL:
+        if isinstance(owner, parent_type) and child == child_name:
+            return type(owner).__name__
+    return None
+
+
+def _reason(
+    modules: Mapping[str, nn.Module],
+    name: str,
+    module: nn.Module,
+    patterns: list[str],
+) -> str | None:
+    """Why `module` is not preconditioned (None: it is)."""
+    if isinstance(module, nn.Conv2d) and module.groups != 1:
+        return f'grouped convolution (groups={module.groups})'
+    if not any(isinstance(module, kind) for kind in KNOWN_MODULES):
+        return 'unsupported type (trained with the plain gradient)'
+    parent = _functional_parent(modules, name)
+    if parent is not None:
+        return f'called functionally by its parent {parent}'
+    matched = [p for p in patterns if _skipped(name, module, [p])]
+    if matched:
+        return f'skipped by the skip_layers pattern {matched[0]!r}'
     weight = getattr(module, 'weight', None)
-    return isinstance(weight, nn.Parameter) and weight.requires_grad
+    if not (isinstance(weight, nn.Parameter) and weight.requires_grad):
+        return 'frozen at construction (weight.requires_grad is False)'
+    return None
+
+
+def register_model(
+    model: nn.Module,
+    *,
+    skip_layers: str | Iterable[str] | None = None,
+    defaults: ModuleOptions | None = None,
+    module_options: object = None,
+) -> Registration:
+    """Decide, once, which modules of `model` K-FAC preconditions.
+
+    A module is preconditioned when its type is supported, its weight
+    requires grad, no `skip_layers` pattern selects it and its parent does
+    not use its weight without calling it (`nn.MultiheadAttention`'s
+    `out_proj`). Every other module with parameters of its own is listed
+    in [`Registration.skipped`][kfac.layers.register.Registration.skipped]
+    with the reason.
+
+    Args:
+        model: the model (unwrap `DistributedDataParallel` first so names
+            do not depend on the wrapper).
+        skip_layers: regular expressions; a module is skipped when one
+            matches (`re.search`) its dotted name or its class name.
+        defaults: the model-wide per-module options.
+        module_options: overrides `{pattern: {option: value}}` (see
+            [`kfac.layers.options`][kfac.layers.options]).
+
+    Raises:
+        TypeError: `model` is not a `torch.nn.Module`, or an option has
+            the wrong type.
+        ValueError: an invalid pattern or an unknown option.
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(
+            f'model must be a torch.nn.Module; got {type(model).__name__}',
+        )
+    patterns = compile_patterns(skip_layers)
+    overrides = check_module_options(module_options)
+    defaults = ModuleOptions() if defaults is None else defaults
+    modules = dict(model.named_modules())
+    helpers, options, sources, skipped = {}, {}, {}, []
+    for name, module in modules.items():
+        reason = _reason(modules, name, module, patterns)
+        if reason is None:
+            helper = get_module_helper(module)
+            assert helper is not None  # _reason checked the type
+            options[name], sources[name] = resolve_options(
+                modules, name, defaults, overrides
+            )
+            helper.batch_first = options[name].batch_first
+            helpers[name] = helper
+            continue
+        own = tuple(n for n, _ in module.named_parameters(recurse=False))
+        if own:
+            cls = type(module).__name__
+            skipped.append(Skipped(name or '<root>', cls, own, reason))
+    return Registration(helpers, options, sources, tuple(skipped))
 
 
 def register_modules(
@@ -93,46 +212,10 @@ def register_modules(
 ) -> dict[str, ModuleHelper]:
     """Find the modules of `model` that K-FAC preconditions.
 
-    A module is kept when it is supported, its weight requires grad and no
-    pattern skips it.
-
-    Args:
-        model: the model (unwrap `DistributedDataParallel` first so names
-            do not depend on the wrapper).
-        skip_layers: regular expressions; a module is skipped when one
-            matches (`re.search`) its dotted name or its class name.
+    The helpers of [`register_model`][kfac.layers.register.register_model]
+    with the default options.
 
     Returns:
         `{dotted name: helper}`, in `model.named_modules()` order.
-
-    Raises:
-        TypeError: `model` is not a `torch.nn.Module`, or `skip_layers` is
-            not a string or an iterable of strings.
-        ValueError: a pattern is not a valid regular expression.
-
     """
-    if not isinstance(model, nn.Module):
-        raise TypeError(
-            f'model must be a torch.nn.Module; got {type(model).__name__}',
-        )
-    patterns = compile_patterns(skip_layers)
-    return dict(_iter_modules(model, patterns))
-
-
-def _iter_modules(
-    model: nn.Module,
-    patterns: list[str],
-) -> Iterator[tuple[str, ModuleHelper]]:
-    for name, module in model.named_modules():
-        if _skipped(name, module, patterns) or not _trainable(module):
-            continue
-        helper = get_module_helper(module)
-        if helper is not None:
-            yield name, helper
-        elif isinstance(module, nn.Conv2d):
-            logger.warning(
-                'K-FAC leaves %s (%r) unpreconditioned: convolutions with '
-                'groups > 1 are not supported',
-                name or '<root>',
-                module,
-            )
+    return register_model(model, skip_layers=skip_layers).helpers

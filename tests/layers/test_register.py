@@ -1,13 +1,12 @@
 from __future__ import annotations
 
-import logging
-
 import pytest
 from torch import nn
 
 from kfac.layers.modules import Conv2dModuleHelper
 from kfac.layers.modules import LinearModuleHelper
 from kfac.layers.register import get_module_helper
+from kfac.layers.register import register_model
 from kfac.layers.register import register_modules
 from testing.models import AttentionNet
 from testing.models import TinyCNN
@@ -56,22 +55,25 @@ def test_modules_without_trainable_weight_are_skipped() -> None:
     assert list(register_modules(m)) == ['0', '2.1']
 
 
-def test_grouped_convolution_is_left_alone_with_a_warning(
-    caplog: pytest.LogCaptureFixture,
-) -> None:
+def test_grouped_convolution_is_left_alone_and_reported() -> None:
     m = nn.Sequential(nn.Conv2d(4, 4, 3, groups=2), nn.Conv2d(4, 2, 1))
-    with caplog.at_level(logging.WARNING, logger='kfac'):
-        found = register_modules(m)
-    assert list(found) == ['1']
-    assert 'K-FAC leaves 0 (Conv2d(4, 4' in caplog.text
-    assert 'groups > 1 are not supported' in caplog.text
+    registration = register_model(m)
+    assert list(registration.helpers) == ['1']
+    assert [(s.name, s.reason) for s in registration.skipped] == [
+        ('0', 'grouped convolution (groups=2)'),
+    ]
     assert get_module_helper(nn.Conv2d(4, 4, 3, groups=4)) is None
     assert get_module_helper(nn.ReLU()) is None
 
 
-def test_attention_projection_is_registered() -> None:
-    names = list(register_modules(AttentionNet()))
-    assert names == ['embed', 'attn.out_proj', 'head']
+def test_attention_projection_is_not_registered() -> None:
+    """`out_proj` is used by its parent without being called."""
+    registration = register_model(AttentionNet())
+    assert list(registration.helpers) == ['embed', 'head']
+    skipped = {s.name: s.reason for s in registration.skipped}
+    assert skipped['attn.out_proj'] == (
+        'called functionally by its parent MultiheadAttention'
+    )
 
 
 def test_cnn_registration() -> None:

@@ -1,0 +1,159 @@
+"""Per-module options: one model-wide value, overrides by name or type.
+
+Every per-module option (`batch_first` today) has a model-wide value, a
+keyword argument of the preconditioner. `module_options` overrides it for
+the modules it selects: `{pattern: {option: value}}`, where a pattern is a
+regular expression searched (`re.search`) in a module's dotted name and in
+its class name, as `skip_layers` patterns are. Options are resolved once,
+at registration, in this order (the first that applies wins):
+
+1. the last `module_options` pattern that selects the module and sets the
+   option;
+2. for `batch_first`: the `batch_first` attribute of the nearest enclosing
+   `nn.MultiheadAttention`, `nn.TransformerEncoderLayer`,
+   `nn.TransformerDecoderLayer` or `nn.Transformer` (the layout its
+   submodules see);
+3. the model-wide value.
+
+The registration report shows each layer's options and where each came
+from.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from collections.abc import Mapping
+from typing import Any
+
+from torch import nn
+
+from kfac.validation import check_bool
+from kfac.validation import type_error
+
+_LAYOUT_OWNERS = (
+    nn.MultiheadAttention,
+    nn.TransformerEncoderLayer,
+    nn.TransformerDecoderLayer,
+    nn.Transformer,
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class ModuleOptions:
+    """The options of one module (or their model-wide values)."""
+
+    batch_first: bool = True
+    """Inputs are `(N, ..., features)`; False: `(T, N, ..., features)`
+    (the sequence-first layout of `nn.MultiheadAttention` and
+    `nn.Transformer*` by default). The number of examples `N` is read from
+    the layout. A 2-D input is `(N, features)` either way."""
+
+    def __post_init__(self) -> None:
+        check_bool('batch_first', self.batch_first)
+
+
+OPTION_NAMES = tuple(f.name for f in dataclasses.fields(ModuleOptions))
+"""The per-module options."""
+
+Overrides = tuple[tuple[str, Mapping[str, Any]], ...]
+"""Validated `module_options`: `(pattern, {option: value})` in order."""
+
+
+def check_module_options(value: object) -> Overrides:
+    """Validate `module_options`: None or `{pattern: {option: value}}`.
+
+    Raises:
+        TypeError: not a mapping, a pattern that is not a string, options
+            that are not a mapping, or an option value of the wrong type.
+        ValueError: an invalid regular expression or an unknown option.
+    """
+    if value is None:
+        return ()
+    if not isinstance(value, Mapping):
+        raise type_error(
+            'module_options', value, 'None or a mapping {pattern: options}'
+        )
+    checked = []
+    for pattern, options in value.items():
+        if not isinstance(pattern, str):
+            raise type_error('module_options pattern', pattern, 'a str')
+        try:
+            re.compile(pattern)
+        except re.error as err:
+            raise ValueError(
+                f'module_options pattern {pattern!r} is not a valid regular '
+                f'expression: {err}',
+            ) from None
+        if not isinstance(options, Mapping):
+            raise type_error(
+                f'module_options[{pattern!r}]',
+                options,
+                'a mapping {option: value}',
+            )
+        unknown = sorted(set(options) - set(OPTION_NAMES))
+        if unknown:
+            raise ValueError(
+                f'module_options[{pattern!r}] has unknown options {unknown}; '
+                f'allowed: {", ".join(OPTION_NAMES)}',
+            )
+        for option, setting in options.items():
+            ModuleOptions(**{option: setting})  # type-checks the value
+        checked.append((pattern, dict(options)))
+    return tuple(checked)
+
+
+def _selects(pattern: str, name: str, module: nn.Module) -> bool:
+    return bool(
+        re.search(pattern, name) or re.search(pattern, type(module).__name__)
+    )
+
+
+def _inherited_layout(
+    modules: Mapping[str, nn.Module], name: str
+) -> tuple[bool, str] | None:
+    """`batch_first` of the nearest layout-owning ancestor, and its name."""
+    parts = name.split('.')
+    for depth in range(len(parts) - 1, -1, -1):
+        ancestor = '.'.join(parts[:depth])
+        owner = modules.get(ancestor)
+        if not isinstance(owner, _LAYOUT_OWNERS):
+            continue
+        # Transformer*Layer keep the layout in their attention module.
+        holder = getattr(owner, 'self_attn', owner)
+        layout = getattr(holder, 'batch_first', None)
+        if isinstance(layout, bool):
+            return layout, f'inherited from {ancestor or "<root>"}'
+    return None
+
+
+def resolve_options(
+    modules: Mapping[str, nn.Module],
+    name: str,
+    defaults: ModuleOptions,
+    overrides: Overrides,
+) -> tuple[ModuleOptions, dict[str, str]]:
+    """The options of module `name` and where each came from.
+
+    Args:
+        modules: the model's `named_modules()` as a mapping.
+        name: the module's dotted name.
+        defaults: the model-wide values.
+        overrides: validated `module_options`.
+
+    Returns:
+        The options, and `{option: source}` with source `'model'`,
+        `'inherited from <ancestor>'` or `'module_options[<pattern>]'`.
+    """
+    module = modules[name]
+    values = dataclasses.asdict(defaults)
+    sources = dict.fromkeys(values, 'model')
+    inherited = _inherited_layout(modules, name)
+    if inherited is not None:
+        values['batch_first'], sources['batch_first'] = inherited
+    for pattern, options in overrides:
+        if _selects(pattern, name, module):
+            for option, setting in options.items():
+                values[option] = setting
+                sources[option] = f'module_options[{pattern!r}]'
+    return ModuleOptions(**values), sources

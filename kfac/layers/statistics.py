@@ -1,0 +1,254 @@
+"""The statistics side of a layer: its two Kronecker factors.
+
+[`LayerStatistics`][kfac.layers.statistics.LayerStatistics] (a base of
+[`KFACBaseLayer`][kfac.layers.base.KFACBaseLayer]) captures hook data into
+the factors `A` and `G`, folds batches into their running averages, and
+follows the module when it moves to another device or dtype.
+
+Calls and examples: `A` counts its rows (examples times weight-sharing
+positions, over every call of the module); `G` counts examples once per
+backward pass (`add_examples`), because the calls of a module in one
+pass are further positions of the same examples (see the conventions in
+[`kfac.math`][kfac.math]).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kfac.layers.factor import Captured
+from kfac.layers.factor import KroneckerFactor
+from kfac.layers.modules import ModuleHelper
+from kfac.math import compute_dtype
+from kfac.validation import check_choice
+from kfac.validation import check_dtype
+from kfac.validation import check_instance
+
+LOSS_REDUCTIONS = ('mean', 'sum')
+"""Allowed values of `loss_reduction`."""
+
+
+class LayerStatistics:
+    """The factors `A` and `G` of one module and how they are fed.
+
+    Args:
+        module: helper of the module.
+        factor_dtype: dtype of the running factors (see
+            [`KFACBaseLayer`][kfac.layers.base.KFACBaseLayer]).
+        inv_dtype: dtype of decompositions and preconditioned gradients.
+        loss_reduction: `'mean'` or `'sum'`.
+    """
+
+    def __init__(
+        self,
+        module: ModuleHelper,
+        *,
+        factor_dtype: torch.dtype | None = None,
+        inv_dtype: torch.dtype | None = None,
+        loss_reduction: str = 'mean',
+    ) -> None:
+        check_instance(
+            'module',
+            module,
+            ModuleHelper,
+            'a kfac.layers.modules.ModuleHelper',
+        )
+        check_dtype('factor_dtype', factor_dtype)
+        check_dtype('inv_dtype', inv_dtype)
+        check_choice('loss_reduction', loss_reduction, LOSS_REDUCTIONS)
+        self.module = module
+        self.loss_reduction = loss_reduction
+        self._dtype_options = (factor_dtype, inv_dtype)
+        self._set_dtypes(module.weight.dtype)
+        self._placed = (module.weight.device, module.weight.dtype)
+        self.a = KroneckerFactor(
+            'A',
+            module.a_factor_shape[0],
+            lambda x, _: module.a_statistic(x, self.stat_dtype),
+            self.factor_dtype,
+        )
+        self.g = KroneckerFactor(
+            'G',
+            module.g_factor_shape[0],
+            lambda x, m: module.g_statistic(
+                x,
+                self.stat_dtype,
+                m,
+                per_example=loss_reduction == 'mean',
+            ),
+            self.factor_dtype,
+        )
+
+    @property
+    def device(self) -> torch.device:
+        """Device of the module's weight."""
+        return self.module.weight.device
+
+    def _set_dtypes(self, param_dtype: torch.dtype) -> None:
+        factor_dtype, inv_dtype = self._dtype_options
+        self.stat_dtype = compute_dtype(
+            param_dtype, factor_dtype or param_dtype
+        )
+        self.factor_dtype = factor_dtype or compute_dtype(param_dtype)
+        self.inv_dtype = inv_dtype or compute_dtype(param_dtype)
+        self.decomposition_dtype = compute_dtype(self.inv_dtype)
+
+    def follow_module(self) -> bool:
+        """Follow the module to a new device or dtype (`model.to(...)`).
+
+        Factors, statistics and decompositions move to the weight's device;
+        dtypes left to their defaults (`factor_dtype=None`,
+        `inv_dtype=None`) follow the weight's dtype. Cheap when nothing
+        changed.
+
+        Returns:
+            Whether the module had moved.
+        """
+        weight = self.module.weight
+        if (weight.device, weight.dtype) == self._placed:
+            return False
+        self._placed = (weight.device, weight.dtype)
+        self._set_dtypes(weight.dtype)
+        for factor in self.factors:
+            factor.move(weight.device, self.factor_dtype, self.inv_dtype)
+        return True
+
+    # Factors ---------------------------------------------------------------
+
+    @property
+    def factors(self) -> tuple[KroneckerFactor, KroneckerFactor]:
+        """`(A, G)`."""
+        return (self.a, self.g)
+
+    def factor(self, name: str) -> KroneckerFactor:
+        """The factor called `name` (`'A'` or `'G'`)."""
+        if name == 'A':
+            return self.a
+        if name == 'G':
+            return self.g
+        raise ValueError(f'factor name must be "A" or "G"; got {name!r}')
+
+    def save_layer_input(
+        self, layer_input: torch.Tensor, *, now: bool
+    ) -> None:
+        """Capture the module input of one micro-batch (forward hook)."""
+        self.a.capture(layer_input, 1.0, now=now)
+
+    def save_layer_grad_output(
+        self,
+        grad_output: torch.Tensor,
+        *,
+        loss_scale: float = 1.0,
+        accumulation_steps: int = 1,
+        now: bool,
+    ) -> None:
+        """Capture the output gradient of one micro-batch (backward hook).
+
+        Args:
+            grad_output: gradient of the (scaled) loss w.r.t. the output.
+            loss_scale: the mixed-precision loss scale to divide out.
+            accumulation_steps: micro-batches in the step; with `'mean'`
+                reduction each micro-batch loss is assumed divided by it, so
+                the output gradient is multiplied back.
+            now: compute the statistic now instead of keeping the tensor.
+
+        """
+        accumulation = (
+            accumulation_steps if self.loss_reduction == 'mean' else 1
+        )
+        self.g.capture(grad_output, accumulation / loss_scale, now=now)
+
+    def prepare_input(
+        self, layer_input: torch.Tensor, *, now: bool
+    ) -> Captured:
+        """Capture the input of one call, to be added with its output
+        gradient by [`add_call`][kfac.layers.base.KFACBaseLayer.add_call].
+        """
+        return self.a.prepare(layer_input, 1.0, now=now)
+
+    def add_call(
+        self,
+        layer_input: Captured,
+        grad_output: torch.Tensor,
+        *,
+        loss_scale: float,
+        accumulation_steps: int,
+        now: bool,
+    ) -> int:
+        """Add one call's input and output gradient to the batch.
+
+        The `A` rows are counted; `G`'s examples are counted once per
+        backward pass by
+        [`add_examples`][kfac.layers.base.KFACBaseLayer.add_examples], since
+        several calls in one pass are positions of the same examples.
+
+        Returns:
+            The number of examples `N` of this call.
+        """
+        self.a.add(layer_input)
+        accumulation = (
+            accumulation_steps if self.loss_reduction == 'mean' else 1
+        )
+        multiplier = accumulation / loss_scale
+        self.g.add(
+            self.g.prepare(grad_output, multiplier, now=now, counted=False)
+        )
+        return self.module.batch_size(grad_output)
+
+    def add_examples(self, count: int) -> None:
+        """Count the `count` examples of one backward pass (see `add_call`)."""
+        self.g.add_examples(count)
+
+    @property
+    def captures(self) -> tuple[int, int]:
+        """Captures of `A` and of `G` since the last factor update."""
+        return (self.a.captures, self.g.captures)
+
+    def update_factors(self, decay: float) -> torch.Tensor | None:
+        """Fold the captured batch into both running averages, provisionally.
+
+        Returns:
+            None if the module did not run (nothing changes), else a 0-d
+                bool tensor: whether both batch statistics were finite. The
+                caller then calls
+                [`commit_factors`][kfac.layers.base.KFACBaseLayer.commit_factors]
+                or
+                [`rollback_factors`][kfac.layers.base.KFACBaseLayer.rollback_factors].
+        """
+        if not (self.a.captures and self.g.captures):
+            self.reset_batch()
+            return None
+        finite_a = self.a.update(decay)
+        finite_g = self.g.update(decay)
+        assert finite_a is not None and finite_g is not None  # both captured
+        return torch.logical_and(finite_a, finite_g)
+
+    def commit_factors(self) -> None:
+        """Keep the last `update_factors`."""
+        for factor in self.factors:
+            factor.commit()
+
+    def rollback_factors(self) -> None:
+        """Undo the last `update_factors`."""
+        for factor in self.factors:
+            factor.rollback()
+
+    def reset_batch(self) -> None:
+        """Drop captured data of both factors."""
+        for factor in self.factors:
+            factor.reset_batch()
+
+    @property
+    def has_factors(self) -> bool:
+        """Whether both running factors exist."""
+        return self.a.value is not None and self.g.value is not None
+
+    def set_factor(self, name: str, value: torch.Tensor | None) -> None:
+        """Replace the running factor `name` (a reduced or loaded value).
+
+        The value is moved to the layer's device and factor dtype.
+        """
+        factor = self.factor(name)
+        if value is not None:
+            value = value.to(device=self.device, dtype=factor.dtype)
+        factor.value = value

@@ -1,0 +1,87 @@
+"""The registration report: what is preconditioned, and what is not.
+
+Built once, when a
+[`KFACPreconditioner`][kfac.preconditioner.KFACPreconditioner] is
+constructed, from the [`Registration`][kfac.layers.register.Registration]
+and the layers; logged at `INFO` and returned by its `describe()`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from typing import Any
+
+from kfac.layers.base import KFACBaseLayer
+from kfac.layers.register import Registration
+
+
+def describe_registration(
+    registration: Registration, layers: Mapping[str, KFACBaseLayer]
+) -> dict[str, list[dict[str, Any]]]:
+    """The report as data.
+
+    Returns:
+        `{'preconditioned': [...], 'not_preconditioned': [...]}`. A
+            preconditioned entry has `name`, `type`, `A` and `G` (factor
+            shapes), `factor_bytes` (both running factors) and `options`
+            (`{option: {'value': ..., 'source': ...}}`); the other entries
+            have `name`, `type`, `parameters` (the module's own) and
+            `reason`.
+    """
+    preconditioned = []
+    for name, layer in layers.items():
+        options = dataclasses.asdict(registration.options[name])
+        sources = registration.sources[name]
+        size = layer.factor_dtype.itemsize
+        preconditioned.append(
+            {
+                'name': name,
+                'type': type(layer.module.module).__name__,
+                'A': (layer.a.dim, layer.a.dim),
+                'G': (layer.g.dim, layer.g.dim),
+                'factor_bytes': (layer.a.dim**2 + layer.g.dim**2) * size,
+                'options': {
+                    key: {'value': value, 'source': sources[key]}
+                    for key, value in options.items()
+                },
+            }
+        )
+    others = [
+        {
+            'name': skipped.name,
+            'type': skipped.type,
+            'parameters': list(skipped.parameters),
+            'reason': skipped.reason,
+        }
+        for skipped in registration.skipped
+    ]
+    return {'preconditioned': preconditioned, 'not_preconditioned': others}
+
+
+def format_report(report: Mapping[str, list[dict[str, Any]]]) -> str:
+    """The report as text, one line per module."""
+    done, others = report['preconditioned'], report['not_preconditioned']
+    total = sum(entry['factor_bytes'] for entry in done)
+    lines = [
+        f'K-FAC preconditions {len(done)} modules (running factors '
+        f'{total / 2**20:.1f} MiB):'
+    ]
+    for entry in done:
+        options = ', '.join(
+            f'{key}={setting["value"]} ({setting["source"]})'
+            for key, setting in entry['options'].items()
+        )
+        lines.append(
+            f'  {entry["name"]} ({entry["type"]}): A {entry["A"][0]}x'
+            f'{entry["A"][1]}, G {entry["G"][0]}x{entry["G"][1]}; {options}'
+        )
+    lines.append(
+        f'and leaves {len(others)} modules with parameters to the optimizer:'
+    )
+    for entry in others:
+        lines.append(
+            f'  {entry["name"]} ({entry["type"]}; '
+            f'{", ".join(entry["parameters"])}): {entry["reason"]}'
+        )
+    return '\n'.join(lines)
