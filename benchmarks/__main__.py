@@ -20,6 +20,7 @@ from benchmarks.machine import calibrate_linalg
 from benchmarks.machine import machine_info
 from benchmarks.machine import measure_rates
 from benchmarks.models import MODELS
+from benchmarks.overlap import overlap
 from benchmarks.report import markdown
 from benchmarks.scaling import scaling
 from benchmarks.summary import run_model
@@ -57,6 +58,11 @@ def _parser() -> argparse.ArgumentParser:
     )
     parser.add_argument('--no-scaling', action='store_true')
     parser.add_argument('--no-bytecheck', action='store_true')
+    parser.add_argument(
+        '--no-overlap',
+        action='store_true',
+        help='skip the probe of factor allreduce overlap (2 gloo ranks)',
+    )
     return parser
 
 
@@ -114,6 +120,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         result['scaling'] = scaling()
     if not args.no_bytecheck:
         result['bytecheck'] = bytecheck()
+    if not args.no_overlap:
+        result['overlap'] = overlap(list(args.models))
     result['seconds'] = time.perf_counter() - start
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=1))

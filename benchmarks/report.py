@@ -8,6 +8,8 @@ from collections.abc import Iterable
 from collections.abc import Mapping
 from typing import Any
 
+from benchmarks.overlap import overlap_table
+
 __all__ = ['markdown']
 
 MB = 1e6
@@ -293,4 +295,10 @@ def markdown(result: Mapping[str, Any]) -> str:
             '10/100)\n\n' + _bytes(result),
         ]
     parts.append('## Byte model against gloo runs\n\n' + _bytecheck(result))
+    if 'overlap' in result:
+        parts.append(
+            '## Factor allreduce during the backward pass (2 gloo ranks, '
+            'one factor step, hook mode)\n\n'
+            + overlap_table(result['overlap'])
+        )
     return '\n\n'.join(parts) + '\n'

@@ -14,6 +14,8 @@ import pytest
 
 from benchmarks.bytecheck import cases
 from benchmarks.bytecheck import check_rank
+from benchmarks.overlap import overlap
+from benchmarks.overlap import overlap_table
 from testing.distributed import run_distributed
 
 
@@ -38,3 +40,22 @@ def test_byte_model_matches_gloo_counts(
     assert all(r['match'] for r in results)
     # The runs communicated: every case moved factor bytes.
     assert all(r['counted']['factor_allreduce'][0] > 0 for r in results)
+
+
+def test_overlap_probe_counts_every_factor_allreduce() -> None:
+    rows = overlap(['mlp'], world_size=2)
+    assert [r['bucket_cap_mb'] for r in rows] == [25.0, 1.0, 0.0]
+    unbucketed = rows[2]
+    # Without buckets every factor travels alone: two per layer.
+    assert unbucketed['collectives'] == 2 * unbucketed['layers']
+    # MLP 64-512-512-10 with biases, float32: A and G of each layer.
+    sides = [(65, 512), (513, 512), (513, 10)]
+    expected = sum(4 * (a * a + g * g) for a, g in sides)
+    assert all(r['bytes'] == expected for r in rows)
+    # Hook mode: each layer is complete, and its factors handed over, while
+    # the backward pass still runs (all but the first layer, which is last
+    # in the backward order, complete before backward() returns).
+    assert unbucketed['collectives_during_backward'] >= 2 * (
+        unbucketed['layers'] - 1
+    )
+    assert 'bytes started during backward' in overlap_table(rows)

@@ -178,6 +178,17 @@ INVALID: list[tuple[dict[str, Any], type[Exception], str]] = [
         TypeError,
         'grad_scaler must be None, a GradScaler or a callable',
     ),
+    ({'batch_first': 1}, TypeError, 'batch_first must be a bool'),
+    (
+        {'module_options': [('fc1', {})]},
+        TypeError,
+        'module_options must be None or a mapping',
+    ),
+    (
+        {'module_options': {'fc1': {'batch_major': False}}},
+        ValueError,
+        "unknown options ['batch_major']; allowed: batch_first",
+    ),
     (
         {'colocate_factors': False},
         ValueError,
