@@ -38,7 +38,8 @@ class _Stamping(TorchDistributedCommunicator):
 
     def _record(self, kind: str, buffer: torch.Tensor) -> None:
         super()._record(kind, buffer)
-        if kind == 'allreduce':
+        # The one-element allreduce is the count of non-finite statistics.
+        if kind == 'allreduce' and buffer.numel() > 1:
             nbytes = buffer.numel() * buffer.element_size()
             self.stamps.append((time.perf_counter(), nbytes))
 
@@ -62,8 +63,7 @@ def _probe(name: str, bucket_cap_mb: float) -> dict[str, Any]:
     loss.backward()
     backward_end = time.perf_counter()
     precon.step()
-    # the last allreduce is the health count (4 bytes), always at step()
-    stamps = comm.stamps[:-1]
+    stamps = comm.stamps
     during = [nbytes for when, nbytes in stamps if when <= backward_end]
     return {
         'model': name,
