@@ -194,6 +194,7 @@ class EngineState:
                     f: tuple(s for s, _ in layer.decomposition_layout(f))
                     for f in FACTOR_NAMES
                 },
+                frozenset(f.name for f in layer.factors if f.diagonal),
             )
             for name, layer in self._layers.items()
         }

@@ -63,6 +63,8 @@ def start_factor_allreduce(
     """Start averaging both running factors of `layer` over `group`.
 
     Every rank of `group` calls this for the same layers in the same order.
+    A dense factor is flagged symmetric (it may travel as a packed
+    triangle); a diagonal one travels as its vector.
 
     Returns:
         One handle per factor, in the order of `layer.factors`.
@@ -75,7 +77,9 @@ def start_factor_allreduce(
                 f'{layer}: factor {factor.name} is allreduced before its '
                 'first update',
             )
-        handles.append(reduce(factor.value, group=group, symmetric=True))
+        handles.append(
+            reduce(factor.value, group=group, symmetric=not factor.diagonal)
+        )
     return handles
 
 

@@ -305,7 +305,10 @@ class KFACPreconditioner(BaseKFACPreconditioner):
         }
         work = {
             name: {
-                f.name: factor_cost(f.dim, config.assignment_strategy)
+                # A diagonal factor takes O(dim) time and memory.
+                f.name: float(f.dim)
+                if f.diagonal
+                else factor_cost(f.dim, config.assignment_strategy)
                 for f in layer.factors
             }
             for name, layer in layers.items()

@@ -9,6 +9,7 @@ and the layers; logged at `INFO` and returned by its `describe()`.
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Mapping
 from typing import Any
 
@@ -23,8 +24,9 @@ def describe_registration(
 
     Returns:
         `{'preconditioned': [...], 'not_preconditioned': [...]}`. A
-            preconditioned entry has `name`, `type`, `A` and `G` (factor
-            shapes), `factor_bytes` (both running factors) and `options`
+            preconditioned entry has `name`, `type`, `A` and `G` (the
+            running factors' shapes: `(n,)` for a diagonal factor, kept as
+            its diagonal), `factor_bytes` (both running factors) and `options`
             (`{option: {'value': ..., 'source': ...}}`); the other entries
             have `name`, `type`, `parameters` (the module's own) and
             `reason`.
@@ -38,9 +40,11 @@ def describe_registration(
             {
                 'name': name,
                 'type': type(layer.module.module).__name__,
-                'A': (layer.a.dim, layer.a.dim),
-                'G': (layer.g.dim, layer.g.dim),
-                'factor_bytes': (layer.a.dim**2 + layer.g.dim**2) * size,
+                'A': layer.a.shape,
+                'G': layer.g.shape,
+                'factor_bytes': sum(
+                    math.prod(f.shape) * size for f in layer.factors
+                ),
                 'options': {
                     key: {'value': value, 'source': sources[key]}
                     for key, value in options.items()
@@ -73,8 +77,8 @@ def format_report(report: Mapping[str, list[dict[str, Any]]]) -> str:
             for key, setting in entry['options'].items()
         )
         lines.append(
-            f'  {entry["name"]} ({entry["type"]}): A {entry["A"][0]}x'
-            f'{entry["A"][1]}, G {entry["G"][0]}x{entry["G"][1]}; {options}'
+            f'  {entry["name"]} ({entry["type"]}): A {_shape(entry["A"])}, '
+            f'G {_shape(entry["G"])}; {options}'
         )
     lines.append(
         f'and leaves {len(others)} modules with parameters to the optimizer:'
@@ -85,3 +89,10 @@ def format_report(report: Mapping[str, list[dict[str, Any]]]) -> str:
             f'{", ".join(entry["parameters"])}): {entry["reason"]}'
         )
     return '\n'.join(lines)
+
+
+def _shape(shape: tuple[int, ...]) -> str:
+    """`'9x9'`, or `'diag(50000)'` for a diagonal factor."""
+    if len(shape) == 1:
+        return f'diag({shape[0]})'
+    return 'x'.join(map(str, shape))

@@ -12,14 +12,15 @@ dicts, so `torch.load(path, weights_only=True)` reads it:
     'version': 1,
     'steps': int,
     'hyperparameters': {name: value},   # the non-callable ones
-    'layers': {module name: {'A': tensor, 'G': tensor}},
+    'layers': {module name: {'A': tensor, 'G': tensor}},  # (n, n) or (n,)
     'decompositions': {                 # optional
         module name: {'format': str, 'A': [tensor, ...], 'G': [...]},
     },
 }
 ```
 
-Factors are what a run cannot recompute. Decompositions are saved too
+Factors are what a run cannot recompute. A diagonal factor (the `A` of an
+embedding) is saved as its diagonal, shape `(n,)`. Decompositions are saved too
 (for the layers whose decompositions this rank holds) so that a resumed
 run uses exactly the decompositions the uninterrupted run would have used
 until the next inverse update; a layer without a compatible saved
@@ -113,6 +114,8 @@ class LayerSpec:
     """The layer's decomposition format."""
     decomposition_shapes: Mapping[str, tuple[tuple[int, ...], ...]]
     """Factor name to the shapes of its decomposition's tensors."""
+    diagonal_factors: frozenset[str] = frozenset()
+    """The factors kept as their diagonal (shape `(n,)`, not `(n, n)`)."""
 
 
 def serialize_state(
@@ -191,12 +194,14 @@ def _layer_problems(
             if key not in FACTOR_KEYS:
                 problems.append(f'unexpected entry layers.{name}.{key}')
                 continue
-            dim = specs[name].factor_dims[key]
+            spec = specs[name]
+            dim = spec.factor_dims[key]
+            expected = (dim,) if key in spec.diagonal_factors else (dim, dim)
             shape = tuple(getattr(tensor, 'shape', ()))
-            if not isinstance(tensor, torch.Tensor) or shape != (dim, dim):
+            if not isinstance(tensor, torch.Tensor) or shape != expected:
                 problems.append(
                     f'layers.{name}.{key} has shape {shape}, expected '
-                    f'{(dim, dim)}',
+                    f'{expected}',
                 )
     return problems
 

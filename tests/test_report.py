@@ -17,7 +17,7 @@ F64 = torch.float64
 class _Mixed(nn.Module):
     def __init__(self) -> None:
         super().__init__()
-        self.embed = nn.Embedding(10, 8)
+        self.embed = nn.Embedding(10, 8, max_norm=1.0)
         self.attn = nn.MultiheadAttention(8, 2, batch_first=True)
         self.conv1d = nn.Conv1d(8, 8, 3, padding=1)
         self.depthwise = nn.Conv2d(4, 4, 3, groups=4)
@@ -55,7 +55,8 @@ def test_report_lists_every_module_with_parameters(
     assert fc['factor_bytes'] == (81 + 9) * 4
     reasons = {e['name']: e['reason'] for e in report['not_preconditioned']}
     assert reasons == {
-        'embed': 'unsupported type (trained with the plain gradient)',
+        'embed': 'embedding with max_norm=1.0 (rows renormalised in the '
+        'forward pass)',
         'attn': 'unsupported type (trained with the plain gradient)',
         'attn.out_proj': 'called functionally by its parent '
         'MultiheadAttention',

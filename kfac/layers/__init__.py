@@ -1,8 +1,8 @@
 """Per-layer K-FAC: module helpers, registration and the two methods.
 
 `import kfac.layers` imports its submodules (`base`, `compat`,
-`decomposition`, `eigen`, `factor`, `inverse`, `modules`, `options`,
-`register`, `statistics`).
+`decomposition`, `eigen`, `embedding`, `factor`, `inverse`, `modules`,
+`options`, `register`, `statistics`).
 """
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ from kfac.layers import base
 from kfac.layers import compat
 from kfac.layers import decomposition
 from kfac.layers import eigen
+from kfac.layers import embedding
 from kfac.layers import factor
 from kfac.layers import inverse
 from kfac.layers import modules
@@ -29,6 +30,7 @@ __all__ = [
     'compat',
     'decomposition',
     'eigen',
+    'embedding',
     'factor',
     'inverse',
     'modules',

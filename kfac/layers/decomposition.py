@@ -74,11 +74,18 @@ def attempt_plan(dtype: torch.dtype) -> list[tuple[torch.dtype, float]]:
 def prepare(
     value: torch.Tensor, dtype: torch.dtype, jitter: float
 ) -> torch.Tensor:
-    """`value` in `dtype`, plus `jitter · (|tr F| / n + 1e-30) · I`."""
+    """`value` in `dtype`, plus `jitter · (|tr F| / n + 1e-30) · I`.
+
+    A diagonal factor (`value` of shape `(n,)`, its diagonal) gets the
+    same jitter added to every entry.
+    """
     matrix = value.to(dtype)
     if not jitter:
         return matrix
-    scale = float(torch.diagonal(matrix).mean().abs()) + 1e-30
+    diagonal = matrix if matrix.dim() == 1 else torch.diagonal(matrix)
+    scale = float(diagonal.mean().abs()) + 1e-30
+    if matrix.dim() == 1:
+        return matrix + jitter * scale
     eye = torch.eye(matrix.shape[0], dtype=dtype, device=matrix.device)
     return matrix + jitter * scale * eye
 

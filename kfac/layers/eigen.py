@@ -1,4 +1,8 @@
-"""K-FAC with exact damping through eigendecompositions of the factors."""
+"""K-FAC with exact damping through eigendecompositions of the factors.
+
+A diagonal factor (the `A` of an embedding) is its own eigenvalues; its
+eigenvectors are the identity and are neither stored nor sent.
+"""
 
 from __future__ import annotations
 
@@ -9,6 +13,7 @@ import torch
 from kfac.layers.base import KFACBaseLayer
 from kfac.layers.decomposition import Decomposed
 from kfac.layers.decomposition import Layout
+from kfac.layers.embedding import diagonal_eigen_precondition
 from kfac.layers.modules import ModuleHelper
 from kfac.math import eigen_precondition
 from kfac.math import eigenvalue_outer_product
@@ -27,7 +32,8 @@ class KFACEigenLayer(KFACBaseLayer):
             receive one `(out, in[+1])` matrix instead of both eigenvalue
             vectors and skip that work each step. The damping is then the
             one in force at the last decomposition. Needs both factors
-            decomposed on the same rank, `A` first.
+            decomposed on the same rank, `A` first. A diagonal `A` then
+            leaves nothing to send (its eigenvectors are the identity).
         **kwargs: see [`KFACBaseLayer`][kfac.layers.base.KFACBaseLayer].
 
     """
@@ -57,6 +63,8 @@ class KFACEigenLayer(KFACBaseLayer):
     ) -> Decomposed:
         if name == 'A':
             self._a_tried = True
+        if self.factor(name).diagonal:  # Q = I: the eigenvalues alone
+            return Decomposed((matrix.clamp(min=0.0),), None)
         # eigh raises on failure: no flag of its own
         return Decomposed(symmetric_eigh(matrix, dtype), None)
 
@@ -68,10 +76,10 @@ class KFACEigenLayer(KFACBaseLayer):
     ) -> tuple[torch.Tensor, ...] | None:
         if not self.prediv_eigenvalues:
             return tensors
+        if name == 'A':  # keep Q_A (none when A is diagonal), not d_A
+            self._da = tensors[-1].to(self.inv_dtype)
+            return tensors[:-1]
         q, d = tensors
-        if name == 'A':
-            self._da = d.to(self.inv_dtype)
-            return (q,)
         if self._da is None:
             if self._a_tried:  # every attempt on A failed: no eigenvalues
                 return None
@@ -87,14 +95,18 @@ class KFACEigenLayer(KFACBaseLayer):
         return 'eigen_outer' if self.prediv_eigenvalues else 'eigen'
 
     def decomposition_layout(self, name: str) -> Layout:
-        """`Q` then `d` (or `Q_A` / `Q_G`, `1/(d_G d_Aᵀ + λ)`)."""
-        n = self.factor(name).dim
-        q = ((n, n), False)
+        """`Q` then `d` (or `Q_A` / `Q_G`, `1/(d_G d_Aᵀ + λ)`); no `Q` for
+        a diagonal factor.
+        """
+        factor = self.factor(name)
+        n = factor.dim
+        d = ((n,), False)
+        tensors = (d,) if factor.diagonal else (((n, n), False), d)
         if not self.prediv_eigenvalues:
-            return (q, ((n,), False))
+            return tensors
         if name == 'A':
-            return (q,)
-        return (q, (self.module.grad_shape, False))
+            return tensors[:-1]
+        return (tensors[0], (self.module.grad_shape, False))
 
     def _precondition(
         self, grad: torch.Tensor, damping: float
@@ -106,5 +118,7 @@ class KFACEigenLayer(KFACBaseLayer):
         if self.prediv_eigenvalues:
             scale = g[1]
         else:
-            scale = eigenvalue_outer_product(g[1], a[1], damping)
+            scale = eigenvalue_outer_product(g[1], a[-1], damping)
+        if self.a.diagonal:
+            return diagonal_eigen_precondition(grad, g[0], scale)
         return eigen_precondition(grad, a[0], g[0], scale)

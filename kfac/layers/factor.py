@@ -3,6 +3,13 @@
 The logic shared by both factors lives here once: capturing hook data,
 accumulating a batch as a sum and a count, folding the batch into the
 running average, and holding the factor's decomposition.
+
+A factor is dense (`(dim, dim)`) or *diagonal*: kept as the vector of its
+diagonal, shape `(dim,)`, and never formed as a matrix (the `A` of an
+embedding, whose one-hot inputs make it diagonal; see
+[`kfac.layers.embedding`][kfac.layers.embedding]). Every operation here is
+elementwise, so both kinds share it; the statistic returns the sum in the
+factor's shape.
 """
 
 from __future__ import annotations
@@ -16,7 +23,7 @@ from kfac.math import running_average
 
 Statistic = Callable[[torch.Tensor, float], tuple[torch.Tensor, int]]
 """Computes `(sum of outer products, count)` from captured hook data and a
-multiplier."""
+multiplier (for a diagonal factor, the sum of their diagonals)."""
 
 
 class Captured(NamedTuple):
@@ -44,8 +51,11 @@ class KroneckerFactor:
     Args:
         name: `'A'` or `'G'`.
         dim: the factor is `(dim, dim)`.
-        statistic: turns one captured tensor into `(Σ x xᵀ, count)`.
+        statistic: turns one captured tensor into `(Σ x xᵀ, count)`
+            (`(diag Σ x xᵀ, count)` for a diagonal factor).
         dtype: dtype of the running average.
+        diagonal: the factor is diagonal and kept as its diagonal, shape
+            `(dim,)`.
 
     """
 
@@ -55,13 +65,20 @@ class KroneckerFactor:
         dim: int,
         statistic: Statistic,
         dtype: torch.dtype,
+        *,
+        diagonal: bool = False,
     ) -> None:
         self.name = name
         self.dim = dim
+        self.diagonal = diagonal
+        """Whether the factor is diagonal, held as the vector of its
+        diagonal."""
         self.dtype = dtype
         self._statistic = statistic
         self.value: torch.Tensor | None = None
-        """Running average, `(dim, dim)`; None before the first update."""
+        """Running average, of shape
+        [`shape`][kfac.layers.factor.KroneckerFactor.shape]; None before the
+        first update."""
         self.decomposition: tuple[torch.Tensor, ...] | None = None
         """Tensors a gradient worker needs to apply this factor's inverse."""
         self._sum: torch.Tensor | None = None
@@ -70,6 +87,13 @@ class KroneckerFactor:
         self._previous: tuple[torch.Tensor | None] | None = None
         self.captures = 0
         """Number of captures since the last reset."""
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """Shape of the running average: `(dim, dim)`, or `(dim,)` when
+        diagonal.
+        """
+        return (self.dim,) if self.diagonal else (self.dim, self.dim)
 
     def capture(
         self,

@@ -1,4 +1,8 @@
-"""K-FAC with factored Tikhonov damping through explicit inverses."""
+"""K-FAC with factored Tikhonov damping through explicit inverses.
+
+A diagonal factor (the `A` of an embedding) has a diagonal inverse, kept
+as the vector `1 / (a + π √λ)`.
+"""
 
 from __future__ import annotations
 
@@ -9,6 +13,8 @@ import torch
 from kfac.layers.base import KFACBaseLayer
 from kfac.layers.decomposition import Decomposed
 from kfac.layers.decomposition import Layout
+from kfac.layers.embedding import damped_diagonal_inverse
+from kfac.layers.embedding import diagonal_inverse_precondition
 from kfac.math import damped_inverse_ex
 from kfac.math import inverse_precondition
 from kfac.math import pi_correction
@@ -33,9 +39,14 @@ class KFACInverseLayer(KFACBaseLayer):
         a, g = self.a.value, self.g.value
         if a is None or g is None:
             raise RuntimeError(f'{self} has no factors yet')
+        if self.a.diagonal:  # a 1 x 1 factor with the same tr A / dim A
+            a = a.mean().reshape(1, 1)
         pi = pi_correction(a, g)
         root = math.sqrt(damping)
         shift = pi * root if name == 'A' else root / pi
+        if self.factor(name).diagonal:
+            diagonal, ok = damped_diagonal_inverse(matrix, shift, dtype)
+            return Decomposed((diagonal,), ok)
         inverse, info = damped_inverse_ex(matrix, shift, dtype)
         return Decomposed((inverse,), info == 0)
 
@@ -45,9 +56,13 @@ class KFACInverseLayer(KFACBaseLayer):
         return 'inverse'
 
     def decomposition_layout(self, name: str) -> Layout:
-        """One symmetric `(n, n)` inverse."""
-        n = self.factor(name).dim
-        return (((n, n), True),)
+        """One symmetric `(n, n)` inverse, or the `(n,)` diagonal of a
+        diagonal factor's.
+        """
+        factor = self.factor(name)
+        if factor.diagonal:
+            return (((factor.dim,), False),)
+        return (((factor.dim, factor.dim), True),)
 
     def _precondition(
         self, grad: torch.Tensor, damping: float
@@ -56,4 +71,6 @@ class KFACInverseLayer(KFACBaseLayer):
         assert (
             a is not None and g is not None
         )  # the caller checks has_decomposition
+        if self.a.diagonal:
+            return diagonal_inverse_precondition(grad, a[0], g[0])
         return inverse_precondition(grad, a[0], g[0])

@@ -34,6 +34,11 @@ class ModuleHelper(abc.ABC):
 
     module: nn.Module
 
+    a_diagonal: bool = False
+    """Whether `A` is diagonal and kept as the vector of its diagonal
+    (`a_statistic` then returns the sum of diagonals, shape `(in,)`), as
+    for an embedding."""
+
     batch_first: bool = True
     """Whether inputs put examples first (see
     [`ModuleOptions`][kfac.layers.options.ModuleOptions]); set at

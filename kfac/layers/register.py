@@ -14,6 +14,8 @@ from collections.abc import Mapping
 
 from torch import nn
 
+from kfac.layers.embedding import EmbeddingModuleHelper
+from kfac.layers.embedding import unsupported_reason
 from kfac.layers.modules import Conv2dModuleHelper
 from kfac.layers.modules import LinearModuleHelper
 from kfac.layers.modules import ModuleHelper
@@ -24,6 +26,7 @@ from kfac.layers.options import resolve_options
 KNOWN_MODULES: dict[type[nn.Module], type[ModuleHelper]] = {
     nn.Linear: LinearModuleHelper,
     nn.Conv2d: Conv2dModuleHelper,
+    nn.Embedding: EmbeddingModuleHelper,
 }
 """Supported module types and their helpers, most specific first."""
 
@@ -33,11 +36,15 @@ def get_module_helper(module: nn.Module) -> ModuleHelper | None:
 
     A convolution with `groups > 1` is not supported: K-FAC would need one
     pair of factors per group. It is left to the optimizer unpreconditioned,
-    and the registration report lists it.
+    and the registration report lists it. So is an embedding with an
+    option K-FAC does not support (see
+    [`unsupported_reason`][kfac.layers.embedding.unsupported_reason]).
     """
     for module_type, helper_type in KNOWN_MODULES.items():
         if isinstance(module, module_type):
             if isinstance(module, nn.Conv2d) and module.groups != 1:
+                return None
+            if isinstance(module, nn.Embedding) and unsupported_reason(module):
                 return None
             return helper_type(module)
     return None
@@ -136,6 +143,10 @@ def _reason(
         return f'grouped convolution (groups={module.groups})'
     if not any(isinstance(module, kind) for kind in KNOWN_MODULES):
         return 'unsupported type (trained with the plain gradient)'
+    if isinstance(module, nn.Embedding) and (
+        embedding := unsupported_reason(module)
+    ):
+        return embedding
     parent = _functional_parent(modules, name)
     if parent is not None:
         return f'called functionally by its parent {parent}'

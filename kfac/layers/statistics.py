@@ -66,6 +66,7 @@ class LayerStatistics:
             module.a_factor_shape[0],
             lambda x, _: module.a_statistic(x, self.stat_dtype),
             self.factor_dtype,
+            diagonal=module.a_diagonal,
         )
         self.g = KroneckerFactor(
             'G',

@@ -22,7 +22,7 @@ def model() -> nn.Module:
         nn.ReLU(),
         nn.Sequential(nn.Linear(4, 4), Custom(4, 4)),
         nn.BatchNorm1d(4),
-        nn.Embedding(3, 4),
+        nn.EmbeddingBag(3, 4),
     )
 
 
