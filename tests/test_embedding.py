@@ -8,6 +8,7 @@
 * At batch size 1 without sharing, `A ⊗ G` is the per-example Fisher.
 * A vocabulary of 50 000: no tensor of `V²` elements is ever allocated.
 * Saved and resumed, a run continues bit for bit.
+* On CUDA, forming `A` from indices adds no host synchronisation.
 """
 
 from __future__ import annotations
@@ -26,6 +27,9 @@ from kfac.assignment import KAISAAssignment
 from kfac.preconditioner import KFACPreconditioner
 from kfac.report import format_report
 from testing.asserts import assert_rel_close
+from tests.test_host_syncs import count_syncs
+from tests.test_host_syncs import needs_cuda
+from tests.test_host_syncs import preconditioner
 
 F64 = torch.float64
 VOCAB, DIM, CLASSES = 7, 4, 3
@@ -325,3 +329,68 @@ def test_resume_with_an_embedding_is_bit_identical(
     run(resumed, precon2, optimizer2, range(4, 8))
     for p, q in zip(model.parameters(), resumed.parameters()):
         assert torch.equal(p, q)
+
+
+def test_statistics_kept_until_the_update_give_the_same_factors() -> None:
+    """`update_factors_in_hook=False` keeps the indices until the update."""
+    layers = []
+    for in_hook in (True, False):
+        torch.manual_seed(0)
+        model = Tokens().double()
+        precon = KFACPreconditioner(model, update_factors_in_hook=in_hook)
+        for step in range(2):
+            x, y = batch((5, 6), step)
+            model.zero_grad()
+            loss_of(model, x, y).backward()
+            precon.step()
+        layers.append(precon.layers['embed'])
+    hooked, kept = layers
+    for name in ('A', 'G'):
+        value, other = hooked.factor(name).value, kept.factor(name).value
+        assert value is not None and other is not None
+        assert_rel_close(other, value, rtol=1e-15, label='embedding in hook')
+
+
+class ManyEmbeddings(nn.Module):
+    def __init__(self, count: int) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.embeds = nn.ModuleList(nn.Embedding(50, 8) for _ in range(count))
+        self.head = nn.Linear(8, CLASSES)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        hidden = torch.stack([torch.tanh(e(x)) for e in self.embeds]).sum(0)
+        out: torch.Tensor = self.head(hidden.mean(dim=1))
+        return out
+
+
+def test_embeddings_add_no_device_synchronisation(
+    device: torch.device,
+) -> None:
+    """Forming `A` from indices never reads a device value on the host
+    (`torch.bincount` would, on CUDA): steps 1-3 (a factor update, no
+    decomposition) synchronise as often with one embedding as with three.
+    """
+    needs_cuda(device)
+
+    def syncs(count: int) -> int:
+        model = ManyEmbeddings(count).to(device)
+        precon = preconditioner(model, 'inverse')
+        generator = torch.Generator().manual_seed(0)
+        x = torch.randint(0, 50, (4, 6), generator=generator).to(device)
+        y = torch.randint(0, CLASSES, (4,), generator=generator).to(device)
+        total = 0
+        for step in range(4):
+            loss = F.cross_entropy(model(x), y)
+            model.zero_grad()
+
+            def backward_and_step(loss: torch.Tensor = loss) -> None:
+                loss.backward()
+                precon.step()
+
+            found = count_syncs(backward_and_step)
+            total += found if step else 0
+        return total
+
+    syncs(1)  # warm-up: lazy CUDA initialisation
+    assert syncs(1) == syncs(3)

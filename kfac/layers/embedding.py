@@ -184,8 +184,13 @@ class EmbeddingModuleHelper(ModuleHelper):
             dtype: dtype of the counts (at least float32).
         """
         indices = layer_input.detach().reshape(-1)
-        counts = torch.bincount(indices, minlength=self.in_features)
-        return counts.to(dtype), indices.numel()
+        # Not torch.bincount: on CUDA it reads the largest index on the
+        # host. Sums of ones are exact in any order (below 2**24 in float32).
+        counts = torch.zeros(
+            self.in_features, dtype=dtype, device=indices.device
+        )
+        ones = torch.ones(indices.shape, dtype=dtype, device=indices.device)
+        return counts.index_add_(0, indices, ones), indices.numel()
 
     def a_columns(
         self,
