@@ -18,21 +18,45 @@ When the layer has a (trainable) bias, `a` is extended with a constant 1
 Statistics, for a loss `L = (1/N) Σ_n ℓ_n` over the `N` examples of the
 (global) batch (PyTorch's default `'mean'` reduction):
 
-* the per-example output gradient is `g_n = ∂ℓ_n/∂s_n = N ∂L/∂s_n`; with
-  `loss_reduction='sum'` (`L = Σ_n ℓ_n`) it is `g_n = ∂L/∂s_n`;
+* the per-example output gradient is `g_n = ∂ℓ_n/∂s_n = N ∂L/∂s_n`;
 * `A = (1/N) Σ_n ã_n ã_nᵀ` of shape `(in + 1, in + 1)`;
 * `G = (1/N) Σ_n g_n g_nᵀ` of shape `(out, out)`.
+
+How the loss averages is stated with `loss_average` (as in curvlinops),
+not guessed. With `Z` the number of terms the loss averages over and
+`g = Z ∂L/∂s` (the gradient of one term), `G = (1/Z) Σ g gᵀ`:
+
+| `loss_average` | loss | `Z` |
+| --- | --- | --- |
+| `'batch'` (default) | `(1/N) Σ_n ℓ_n` | `N` |
+| `'batch+sequence'` | `(1/(N T)) Σ_{n,t} ℓ_{n,t}` (tokens) | `N T` |
+| `None` | `Σ_n ℓ_n` (summed) | 1, and `G` is the sum `Σ g gᵀ` |
+
+Here `T` is the layer's number of weight-sharing positions (the sequence
+length of a language model's layers). The sums below run over what each
+approximation makes a row; `A` is always the mean of its rows.
 
 For batch size 1 without weight sharing, `A ⊗ G` equals the layer's
 empirical Fisher block `vec(∇ℓ) vec(∇ℓ)ᵀ` exactly.
 
 Weight sharing (the `T` positions of a Linear applied to `(N, T, in)`
-inputs, or the `T` spatial output positions of a convolution) follows the
-*expand* convention of Eschenhagen et al. (NeurIPS 2023):
-`A = (1/(N T)) Σ_{n,t} ã_{n,t} ã_{n,t}ᵀ` and
-`G = (1/N) Σ_n Σ_t g_{n,t} g_{n,t}ᵀ`. Both are kept as a *sum* and a
-*count* (`N T` rows for `A`, `N` examples for `G`) so that
-micro-batches and ranks combine exactly.
+inputs, or the `T` spatial output positions of a 1-, 2- or 3-D
+convolution, unfolded into patches) follows Eschenhagen et al. (NeurIPS
+2023), chosen per module with `kfac_approx`:
+
+* *expand* (default): each position is a further row,
+  `A = (1/(N T)) Σ_{n,t} ã_{n,t} ã_{n,t}ᵀ` and
+  `G = (1/Z) Σ_n Σ_t g_{n,t} g_{n,t}ᵀ` (`Z = N` for `'batch'`:
+  `G = (1/N) Σ_n Σ_t g gᵀ`);
+* *reduce*: one row per example, the inputs averaged and the output
+  gradients summed over its positions first,
+  `ā_n = (1/T) Σ_t ã_{n,t}`, `ĝ_n = Σ_t g_{n,t}`,
+  `A = (1/N) Σ_n ā_n ā_nᵀ`, `G = (1/Z) Σ_n ĝ_n ĝ_nᵀ` (`T` times fewer
+  rows).
+
+Both factors are kept as a *sum* and a *count* (rows for `A`, `Z` terms
+for `G`) so that micro-batches and ranks combine exactly. Without
+sharing (`T = 1`) the two approximations coincide.
 
 Several calls of one module before one backward pass (a shared module,
 siamese or contrastive passes, `loss = Σ_c L_c` with `L_c` the mean over

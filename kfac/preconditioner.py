@@ -24,16 +24,20 @@ from kfac.enums import ComputeMethod
 from kfac.enums import DistributedStrategy
 from kfac.enums import parse_enum
 from kfac.hyperparams import Hyperparameters
-from kfac.layers.base import LOSS_REDUCTIONS
+from kfac.layers.attention import convert_attention
 from kfac.layers.base import KFACBaseLayer
 from kfac.layers.eigen import KFACEigenLayer
 from kfac.layers.inverse import KFACInverseLayer
 from kfac.layers.modules import ModuleHelper
+from kfac.layers.options import KFAC_APPROXIMATIONS
 from kfac.layers.options import ModuleOptions
 from kfac.layers.options import check_module_options
 from kfac.layers.register import Registration
 from kfac.layers.register import compile_patterns
 from kfac.layers.register import register_model
+from kfac.layers.statistics import DEFAULT_LOSS_AVERAGE
+from kfac.layers.statistics import LossAverage
+from kfac.layers.statistics import resolve_loss_average
 from kfac.placement import factor_cost
 from kfac.placement import parse_grad_worker_fraction
 from kfac.report import describe_registration
@@ -91,8 +95,10 @@ class KFACConfig:
     skip_layers: str | Iterable[str] | None = ()
     update_factors_in_hook: bool = True
     loglevel: int = logging.DEBUG
-    loss_reduction: str = 'mean'
+    loss_average: LossAverage = DEFAULT_LOSS_AVERAGE
+    loss_reduction: str | None = None
     batch_first: bool = True
+    kfac_approx: str = 'expand'
     module_options: Mapping[str, Mapping[str, Any]] | None = None
 
     def __post_init__(self) -> None:
@@ -124,8 +130,12 @@ class KFACConfig:
             'inv_dtype': check_dtype('inv_dtype', self.inv_dtype),
             'skip_layers': tuple(compile_patterns(self.skip_layers)),
             'loglevel': validate_int('loglevel', self.loglevel, minimum=0),
-            'loss_reduction': check_choice(
-                'loss_reduction', self.loss_reduction, LOSS_REDUCTIONS
+            'loss_average': resolve_loss_average(
+                self.loss_average, self.loss_reduction
+            ),
+            'loss_reduction': None,
+            'kfac_approx': check_choice(
+                'kfac_approx', self.kfac_approx, KFAC_APPROXIMATIONS
             ),
             'module_options': {
                 pattern: dict(options)
@@ -170,13 +180,13 @@ def _make_layer(helper: ModuleHelper, config: KFACConfig) -> KFACBaseLayer:
             prediv_eigenvalues=config.compute_eigenvalue_outer_product,
             factor_dtype=config.factor_dtype,
             inv_dtype=config.inv_dtype,
-            loss_reduction=config.loss_reduction,
+            loss_average=config.loss_average,
         )
     return KFACInverseLayer(
         helper,
         factor_dtype=config.factor_dtype,
         inv_dtype=config.inv_dtype,
-        loss_reduction=config.loss_reduction,
+        loss_average=config.loss_average,
     )
 
 
@@ -221,14 +231,24 @@ class KFACPreconditioner(BaseKFACPreconditioner):
         skip_layers: regexes of module names or class names to leave alone.
         update_factors_in_hook: compute statistics in the hooks.
         loglevel: level of informational log messages.
-        loss_reduction: `'mean'` or `'sum'`: the reduction of the loss.
+        loss_average: how the loss averages its terms: `'batch'` (the
+            default: a mean over the `N` examples, PyTorch's default
+            reduction), `'batch+sequence'` (a mean over examples and
+            positions, as language-model losses are) or `None` (a summed
+            loss); see [`kfac.math`][kfac.math] for the factors of each.
+        loss_reduction: deprecated alias of `loss_average` (`'mean'` is
+            `'batch'`, `'sum'` is `None`); passing both raises.
         batch_first: the model-wide layout of module inputs: `(N, ...)`, or
             with False `(T, N, ...)` (sequence-first); modules inside an
             `nn.MultiheadAttention` or `nn.Transformer*` follow its own
             `batch_first` (see [`kfac.layers.options`][kfac.layers.options]).
+        kfac_approx: how weight-sharing positions enter the factors:
+            `'expand'` (the default) or `'reduce'` (Eschenhagen et al.,
+            NeurIPS 2023; `T` times cheaper for `T` positions).
         module_options: per-module overrides of the options above that are
-            per module (`batch_first`): `{pattern: {option: value}}`, a
-            pattern selecting modules by dotted name or class name.
+            per module (`batch_first`, `kfac_approx`):
+            `{pattern: {option: value}}`, a pattern selecting modules by
+            dotted name or class name.
 
     Every hyperparameter (`factor_update_steps` to `lr`) may also be a
     callable `step -> value`.
@@ -259,8 +279,10 @@ class KFACPreconditioner(BaseKFACPreconditioner):
         skip_layers: str | Iterable[str] | None = None,
         update_factors_in_hook: bool = True,
         loglevel: int = logging.DEBUG,
-        loss_reduction: str = 'mean',
+        loss_average: LossAverage = DEFAULT_LOSS_AVERAGE,
+        loss_reduction: str | None = None,
         batch_first: bool = True,
+        kfac_approx: str = 'expand',
         module_options: Mapping[str, Mapping[str, Any]] | None = None,
     ) -> None:
         check_instance('model', model, nn.Module, 'a torch.nn.Module')
@@ -286,8 +308,10 @@ class KFACPreconditioner(BaseKFACPreconditioner):
             skip_layers=skip_layers,
             update_factors_in_hook=update_factors_in_hook,
             loglevel=loglevel,
+            loss_average=loss_average,
             loss_reduction=loss_reduction,
             batch_first=batch_first,
+            kfac_approx=kfac_approx,
             module_options=module_options,
         )
         self.config = config
@@ -340,10 +364,14 @@ class KFACPreconditioner(BaseKFACPreconditioner):
 
     @staticmethod
     def _register(model: nn.Module, config: KFACConfig) -> Registration:
+        convert_attention(_unwrap(model))
         registration = register_model(
             _unwrap(model),
             skip_layers=config.skip_layers,
-            defaults=ModuleOptions(batch_first=config.batch_first),
+            defaults=ModuleOptions(
+                batch_first=config.batch_first,
+                kfac_approx=config.kfac_approx,
+            ),
             module_options=config.module_options,
         )
         if not registration.helpers:

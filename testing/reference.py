@@ -8,6 +8,7 @@ differently written computation.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable
 
 import torch
@@ -171,3 +172,78 @@ def per_example_fisher(
     vecs = w.transpose(1, 2).reshape(x.shape[0], -1)
     fisher: torch.Tensor = vecs.T @ vecs / x.shape[0]
     return fisher
+
+
+def layer_factors(
+    x: torch.Tensor,
+    grad_output: torch.Tensor,
+    *,
+    bias: bool,
+    loss_average: str | None = 'batch',
+    approx: str = 'expand',
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(A, G)`` from the definitions of ``kfac.math``, by explicit loops.
+
+    ``x`` is ``(N, T, in)`` and ``grad_output`` ``(N, T, out)``: example
+    ``n``'s ``T`` weight-sharing positions. ``approx='expand'``: one row per
+    position; ``'reduce'``: one row per example, inputs averaged and output
+    gradients summed over its positions. ``loss_average``: ``'batch'``
+    (``g = N grad``, ``G`` averaged over ``N``), ``'batch+sequence'``
+    (``g = N T grad``, averaged over ``N T``) or ``None`` (``g = grad``,
+    ``G`` summed).
+    """
+    n, t = x.shape[0], x.shape[1]
+    if approx == 'expand':
+        a_rows = [x[i, j] for i in range(n) for j in range(t)]
+    else:
+        a_rows = [x[i].mean(0) for i in range(n)]
+    if bias:
+        a_rows = [torch.cat([r, r.new_ones(1)]) for r in a_rows]
+    a = torch.stack([torch.outer(r, r) for r in a_rows]).sum(0) / len(a_rows)
+    terms = {None: 1, 'batch': n, 'batch+sequence': n * t}[loss_average]
+    if approx == 'expand':
+        g_rows = [
+            terms * grad_output[i, j] for i in range(n) for j in range(t)
+        ]
+    else:
+        g_rows = [terms * grad_output[i].sum(0) for i in range(n)]
+    g = torch.stack([torch.outer(r, r) for r in g_rows]).sum(0) / terms
+    return a, g
+
+
+def conv_patches_nd(
+    conv: nn.Conv1d | nn.Conv2d | nn.Conv3d, x: torch.Tensor
+) -> torch.Tensor:
+    """Input patches of a 1-, 2- or 3-D convolution by explicit slicing,
+    ``(N, positions, C·Π k)``, positions in row-major output order.
+    """
+    kernel = conv.kernel_size
+    dilation, stride = conv.dilation, conv.stride
+    dims = len(kernel)
+    pad: list[int] = []
+    for d in reversed(range(dims)):
+        if isinstance(conv.padding, str):
+            total = dilation[d] * (kernel[d] - 1) * (conv.padding == 'same')
+            pad += [total // 2, total - total // 2]
+        else:
+            pad += [conv.padding[d], conv.padding[d]]
+    mode = 'constant' if conv.padding_mode == 'zeros' else conv.padding_mode
+    xp = F.pad(x, pad, mode=mode)
+    out = [
+        (xp.shape[2 + d] - dilation[d] * (kernel[d] - 1) - 1) // stride[d] + 1
+        for d in range(dims)
+    ]
+    patches = []
+    for position in itertools.product(*(range(o) for o in out)):
+        window = tuple(
+            slice(
+                p * stride[d],
+                p * stride[d] + dilation[d] * (kernel[d] - 1) + 1,
+                dilation[d],
+            )
+            for d, p in enumerate(position)
+        )
+        patches.append(
+            xp[(slice(None), slice(None), *window)].reshape(len(x), -1)
+        )
+    return torch.stack(patches, dim=1)

@@ -359,28 +359,48 @@ def test_accumulation_equals_one_large_batch(
         )
 
 
-def test_sum_reduction_matches_mean_reduction(
+def test_summed_loss_preconditions_like_the_averaged_loss(
     device: torch.device, oracle_dtype: torch.dtype
 ) -> None:
-    """``'sum'`` drops the factor N: same factors for a summed loss."""
+    """`loss_average=None` (a summed loss): `A` is unchanged and `G` is
+    `N` times the averaged loss's, so with damping `N λ` the preconditioned
+    gradient of the summed loss equals the averaged loss's.
+    """
+    n = 7
     model = build(TinyMLP, device, oracle_dtype)
     twin = copy.deepcopy(model)
-    x, y = batch(7, (6,), device, oracle_dtype)
-    mean = KFACPreconditioner(model)
-    total = KFACPreconditioner(twin, loss_reduction='sum')
+    x, y = batch(n, (6,), device, oracle_dtype)
+    mean = KFACPreconditioner(model, kl_clip=None, damping=0.01)
+    total = KFACPreconditioner(
+        twin, kl_clip=None, damping=0.01 * n, loss_average=None
+    )
     F.cross_entropy(model(x), y).backward()
     F.cross_entropy(twin(x), y, reduction='sum').backward()
     mean.step()
     total.step()
+    label = tag('sum reduction', oracle_dtype)
+    rtol = tol(oracle_dtype, 1e-10, 1e-5)
     for name, layer in mean.layers.items():
-        for mine, theirs in zip(layer.factors, total.layers[name].factors):
-            assert mine.value is not None and theirs.value is not None
-            assert_rel_close(
-                host(theirs.value),
-                host(mine.value),
-                rtol=tol(oracle_dtype, 1e-10, 1e-5),
-                label=tag('sum reduction', oracle_dtype),
-            )
+        other = total.layers[name]
+        assert layer.a.value is not None and other.a.value is not None
+        assert layer.g.value is not None and other.g.value is not None
+        assert_rel_close(
+            host(other.a.value), host(layer.a.value), rtol=rtol, label=label
+        )
+        assert_rel_close(
+            host(other.g.value),
+            host(n * layer.g.value),
+            rtol=rtol,
+            label=label,
+        )
+    for p, q in zip(model.parameters(), twin.parameters()):
+        assert p.grad is not None and q.grad is not None
+        assert_rel_close(
+            host(q.grad),
+            host(p.grad),
+            rtol=tol(oracle_dtype, 1e-9, 1e-3),
+            label=label,
+        )
 
 
 def grad_scaler(kind: str, device: torch.device) -> Any:

@@ -187,23 +187,25 @@ def test_module_that_did_not_run_keeps_its_gradient(
     assert not torch.equal(grad_matrix(model.branch), raw)
 
 
-def test_multihead_attention_out_proj_is_left_alone(
-    caplog: pytest.LogCaptureFixture,
-) -> None:
+def test_multihead_attention_is_converted_and_preconditioned() -> None:
+    """`out_proj` was never called as a module (its hooks never fired);
+    the preconditioner converts the attention so that they do.
+    """
     model = AttentionNet().double()
     precon = KFACPreconditioner(model)
-    assert 'attn.out_proj' not in precon.layers  # its hooks never fire
+    assert [n for n in precon.layers if n.startswith('attn')] == [
+        'attn.out_proj',
+        'attn.q_proj',
+        'attn.k_proj',
+        'attn.v_proj',
+    ]
     x = torch.randn(4, 5, 8, dtype=F64)
     y = torch.randint(0, 3, (4,))
-    with caplog.at_level(logging.WARNING, logger='kfac'):
-        for _ in range(2):
-            model.zero_grad()
-            F.cross_entropy(model(x), y).backward()
-            raw = model.attn.out_proj.weight.grad.clone()  # type: ignore[union-attr]
-            precon.step()
-            assert torch.equal(model.attn.out_proj.weight.grad, raw)  # type: ignore[arg-type]
-    assert precon.layers['embed'].has_factors
-    assert 'did not run' not in caplog.text
+    F.cross_entropy(model(x), y).backward()
+    raw = model.attn.in_proj_weight.grad.clone()  # type: ignore[union-attr]
+    precon.step()
+    assert all(layer.has_factors for layer in precon.layers.values())
+    assert not torch.equal(model.attn.in_proj_weight.grad, raw)  # type: ignore[arg-type]
 
 
 def test_remove_detaches_hooks() -> None:

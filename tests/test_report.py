@@ -48,19 +48,23 @@ def test_report_lists_every_module_with_parameters(
             model, skip_layers='skip', loglevel=logging.DEBUG
         )
     report = precon.describe()
-    assert [e['name'] for e in report['preconditioned']] == ['fc']
-    assert list(precon.layers) == ['fc']
-    fc = report['preconditioned'][0]
+    names = [
+        'attn.out_proj',
+        'attn.q_proj',
+        'attn.k_proj',
+        'attn.v_proj',
+        'conv1d',
+        'fc',
+    ]
+    assert [e['name'] for e in report['preconditioned']] == names
+    assert list(precon.layers) == names
+    fc = report['preconditioned'][-1]
     assert (fc['A'], fc['G']) == ((9, 9), (3, 3))
     assert fc['factor_bytes'] == (81 + 9) * 4
     reasons = {e['name']: e['reason'] for e in report['not_preconditioned']}
     assert reasons == {
         'embed': 'embedding with max_norm=1.0 (rows renormalised in the '
         'forward pass)',
-        'attn': 'unsupported type (trained with the plain gradient)',
-        'attn.out_proj': 'called functionally by its parent '
-        'MultiheadAttention',
-        'conv1d': 'unsupported type (trained with the plain gradient)',
         'depthwise': 'grouped convolution (groups=4)',
         'norm': 'unsupported type (trained with the plain gradient)',
         'frozen': 'frozen at construction (weight.requires_grad is False)',
@@ -72,13 +76,16 @@ def test_report_lists_every_module_with_parameters(
         for e in report['not_preconditioned']
         for p in e['parameters']
     }
-    assert named | {'fc.weight', 'fc.bias'} == set(
-        dict(model.named_parameters())
-    )
+    covered = {
+        f'{name}.{p}'
+        for name in ('attn.out_proj', 'conv1d', 'fc')
+        for p in ('weight', 'bias')
+    } | {'attn.in_proj_weight', 'attn.in_proj_bias'}
+    assert named | covered == set(dict(model.named_parameters()))
     info = [r for r in caplog.records if r.levelno == logging.INFO]
     assert len(info) == 1  # one message, whatever loglevel says
-    assert 'K-FAC preconditions 1 modules' in info[0].getMessage()
-    assert 'attn.out_proj (NonDynamicallyQuantizableLinear; weight, bias)' in (
+    assert 'K-FAC preconditions 6 modules' in info[0].getMessage()
+    assert 'embed (Embedding; weight): embedding with max_norm' in (
         info[0].getMessage()
     )
     report['preconditioned'].clear()  # a copy

@@ -169,10 +169,17 @@ INVALID: list[tuple[dict[str, Any], type[Exception], str]] = [
         "loss_reduction must be one of ('mean', 'sum'); got 'avg'",
     ),
     (
-        {'loss_reduction': None},
-        TypeError,
-        "loss_reduction must be one of ('mean', 'sum'); got None",
+        {'loss_average': 'mean'},
+        ValueError,
+        "loss_average must be one of (None, 'batch', 'batch+sequence'); "
+        "got 'mean'",
     ),
+    (
+        {'loss_reduction': 'sum', 'loss_average': None},
+        ValueError,
+        'pass loss_average or the deprecated loss_reduction, not both',
+    ),
+    ({'kfac_approx': 'merge'}, ValueError, 'kfac_approx must be one of'),
     (
         {'grad_scaler': 3.0},
         TypeError,

@@ -1,14 +1,17 @@
 """Per-layer K-FAC: module helpers, registration and the two methods.
 
-`import kfac.layers` imports its submodules (`base`, `compat`,
+`import kfac.layers` imports its submodules (`attention`, `base`, `compat`,
+`conv`,
 `decomposition`, `eigen`, `embedding`, `factor`, `inverse`, `modules`,
 `options`, `register`, `statistics`).
 """
 
 from __future__ import annotations
 
+from kfac.layers import attention
 from kfac.layers import base
 from kfac.layers import compat
+from kfac.layers import conv
 from kfac.layers import decomposition
 from kfac.layers import eigen
 from kfac.layers import embedding
@@ -26,8 +29,10 @@ __all__ = [
     'KFACBaseLayer',
     'KFACEigenLayer',
     'KFACInverseLayer',
+    'attention',
     'base',
     'compat',
+    'conv',
     'decomposition',
     'eigen',
     'embedding',

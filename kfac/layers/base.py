@@ -25,8 +25,10 @@ from kfac.layers.decomposition import DecompositionAttempts
 from kfac.layers.decomposition import Layout
 from kfac.layers.decomposition import LinAlgError
 from kfac.layers.modules import ModuleHelper
+from kfac.layers.statistics import DEFAULT_LOSS_AVERAGE
 from kfac.layers.statistics import LOSS_REDUCTIONS
 from kfac.layers.statistics import LayerStatistics
+from kfac.layers.statistics import LossAverage
 
 __all__ = [
     'FACTOR_NAMES',
@@ -57,8 +59,13 @@ class KFACBaseLayer(
             preconditioned; default: the wider of the parameter dtype and
             float32. Decompositions are computed in the wider of this and
             float32.
-        loss_reduction: `'mean'` (the loss averages its `N` examples, so
-            output gradients are multiplied by `N`) or `'sum'`.
+        loss_average: how the loss averages its terms: `'batch'` (the
+            default: over the `N` examples, so output gradients are
+            multiplied by `N`), `'batch+sequence'` (over examples and
+            positions) or `None` (a summed loss); see
+            [`kfac.math`][kfac.math].
+        loss_reduction: deprecated alias of `loss_average` (`'mean'` is
+            `'batch'`, `'sum'` is `None`).
 
     """
 
@@ -68,12 +75,14 @@ class KFACBaseLayer(
         *,
         factor_dtype: torch.dtype | None = None,
         inv_dtype: torch.dtype | None = None,
-        loss_reduction: str = 'mean',
+        loss_average: LossAverage = DEFAULT_LOSS_AVERAGE,
+        loss_reduction: str | None = None,
     ) -> None:
         super().__init__(
             module,
             factor_dtype=factor_dtype,
             inv_dtype=inv_dtype,
+            loss_average=loss_average,
             loss_reduction=loss_reduction,
         )
         self.grad: torch.Tensor | None = None

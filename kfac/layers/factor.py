@@ -190,7 +190,9 @@ class KroneckerFactor:
         total.nan_to_num_(0.0, 0.0, 0.0)
         keep = finite.to(total.dtype)
         self._previous = (self.value,)
-        value = running_average(self.value, total, decay, 1.0 / count, keep)
+        value = running_average(
+            self.value, total, decay, 1.0 / count if count else 1.0, keep
+        )
         self.value = value.to(self.dtype)
         return finite
 

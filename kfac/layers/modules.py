@@ -14,7 +14,6 @@ from collections.abc import Iterator
 from typing import cast
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 PATCH_BLOCK_ELEMENTS = 2**21
@@ -43,6 +42,11 @@ class ModuleHelper(abc.ABC):
     """Whether inputs put examples first (see
     [`ModuleOptions`][kfac.layers.options.ModuleOptions]); set at
     registration."""
+
+    kfac_approx: str = 'expand'
+    """How shared positions enter the factors: `'expand'` (each position
+    a row) or `'reduce'` (one row per example: inputs averaged, output
+    gradients summed over its positions); set at registration."""
 
     def __init__(self, module: nn.Module) -> None:
         if not isinstance(module, nn.Module) or not isinstance(
@@ -217,6 +221,12 @@ class ModuleHelper(abc.ABC):
         """Scaled output gradients as columns `(out, R)` in `dtype`."""
 
     @abc.abstractmethod
+    def positions(self, tensor: torch.Tensor) -> int:
+        """Weight-sharing positions `T` per example of an input or
+        output-gradient tensor (1 without sharing).
+        """
+
+    @abc.abstractmethod
     def batch_size(self, tensor: torch.Tensor) -> int:
         """Number of examples `N` in an input or output-gradient tensor."""
 
@@ -253,12 +263,24 @@ class LinearModuleHelper(ModuleHelper):
     A 2-D input is `(N, in)` and a 1-D input one example either way.
     """
 
+    def _rows(self, tensor: torch.Tensor) -> torch.Tensor:
+        """`(N, T, features)`: examples first, positions flattened."""
+        if tensor.dim() > 2 and not self.batch_first:
+            tensor = tensor.transpose(0, 1)
+        if tensor.dim() == 1:
+            tensor = tensor[None]
+        return tensor.reshape(tensor.shape[0], -1, tensor.shape[-1])
+
     def a_columns(  # noqa: D102
         self,
         layer_input: torch.Tensor,
         dtype: torch.dtype,
     ) -> Iterator[torch.Tensor]:
-        yield layer_input.reshape(-1, layer_input.shape[-1]).to(dtype).T
+        rows = self._rows(layer_input)
+        if self.kfac_approx == 'reduce':
+            yield rows.to(dtype).mean(dim=1).T
+        else:
+            yield rows.reshape(-1, rows.shape[-1]).to(dtype).T
 
     def g_columns(  # noqa: D102
         self,
@@ -266,103 +288,30 @@ class LinearModuleHelper(ModuleHelper):
         dtype: torch.dtype,
         scale: float,
     ) -> torch.Tensor:
-        rows = grad_output.reshape(-1, grad_output.shape[-1]).to(dtype)
-        return (rows * scale if scale != 1.0 else rows).T
+        rows = self._rows(grad_output).to(dtype)
+        if scale != 1.0:
+            rows = rows * scale
+        if self.kfac_approx == 'reduce':
+            return rows.sum(dim=1).T
+        return rows.reshape(-1, rows.shape[-1]).T
 
     def batch_size(self, tensor: torch.Tensor) -> int:  # noqa: D102
         if tensor.dim() > 2 and not self.batch_first:
             return tensor.shape[1]
         return tensor.shape[0] if tensor.dim() > 1 else 1
 
+    def positions(self, tensor: torch.Tensor) -> int:  # noqa: D102
+        return tensor.numel() // (self.batch_size(tensor) * tensor.shape[-1])
 
-class Conv2dModuleHelper(ModuleHelper):
-    """Helper for `torch.nn.Conv2d` with `groups == 1`.
 
-    Inputs unfold into patches (respecting `stride`, `padding` including
-    `'same'`/`'valid'`, `dilation` and `padding_mode`), so the layer
-    is a Linear over `C·kh·kw` inputs shared across the `H'·W'` output
-    positions.
+# Convolutions have a module of their own; the name stays importable here.
+from kfac.layers.conv import Conv2dModuleHelper  # noqa: E402
+from kfac.layers.conv import ConvModuleHelper  # noqa: E402
 
-    Args:
-        module: the convolution.
-
-    Raises:
-        ValueError: `module.groups` is not 1.
-    """
-
-    module: nn.Conv2d
-
-    def __init__(self, module: nn.Conv2d) -> None:
-        if module.groups != 1:
-            raise ValueError(
-                f'Conv2dModuleHelper supports groups=1 only; got '
-                f'groups={module.groups}',
-            )
-        super().__init__(module)
-
-    def _pad_amounts(self) -> tuple[int, int, int, int]:
-        """`F.pad` amounts `(left, right, top, bottom)`."""
-        m = self.module
-        pads: list[int] = []
-        for dim in (1, 0):  # F.pad lists the last dimension first.
-            if isinstance(m.padding, str):
-                same = m.padding == 'same'
-                total = m.dilation[dim] * (m.kernel_size[dim] - 1) * same
-                before, after = total // 2, total - total // 2
-            else:
-                before = after = m.padding[dim]
-            pads += [before, after]
-        return pads[0], pads[1], pads[2], pads[3]
-
-    def a_columns(  # noqa: D102
-        self,
-        layer_input: torch.Tensor,
-        dtype: torch.dtype,
-    ) -> Iterator[torch.Tensor]:
-        m = self.module
-        x = layer_input if layer_input.dim() == 4 else layer_input[None]
-        pads = self._pad_amounts()
-        if any(pads):
-            mode = 'constant' if m.padding_mode == 'zeros' else m.padding_mode
-            x = F.pad(x, pads, mode=mode)
-        n, channels, height, width = x.shape
-        (kh, kw), (dh, dw), (sh, sw) = m.kernel_size, m.dilation, m.stride
-        oh = (height - dh * (kh - 1) - 1) // sh + 1
-        ow = (width - dw * (kw - 1) - 1) // sw + 1
-        # Patches are kh·kw times larger than the input: build them a few
-        # examples at a time in one reused buffer, laid out (C, kh, kw,
-        # examples, H', W') so that each kernel offset is one strided copy
-        # of a shifted slice and the block is the (in, r) matrix as it is.
-        per_example = max(1, channels * kh * kw * oh * ow)
-        chunk = max(1, min(n, PATCH_BLOCK_ELEMENTS // per_example))
-        buffer = x.new_empty(per_example * chunk, dtype=dtype)
-        for start in range(0, n, chunk):
-            block = x[start : start + chunk].transpose(0, 1)
-            count = block.shape[1]
-            patches = buffer[: per_example * count].view(
-                channels, kh, kw, count, oh, ow
-            )
-            for i in range(kh):
-                rows = slice(i * dh, i * dh + sh * (oh - 1) + 1, sh)
-                for j in range(kw):
-                    cols = slice(j * dw, j * dw + sw * (ow - 1) + 1, sw)
-                    patches[:, i, j].copy_(block[:, :, rows, cols])
-            yield patches.view(channels * kh * kw, count * oh * ow)
-
-    def g_columns(  # noqa: D102
-        self,
-        grad_output: torch.Tensor,
-        dtype: torch.dtype,
-        scale: float,
-    ) -> torch.Tensor:
-        g = grad_output if grad_output.dim() == 4 else grad_output[None]
-        cols = torch.empty(
-            (g.shape[1], g.shape[0], *g.shape[2:]),
-            dtype=dtype,
-            device=g.device,
-        )
-        torch.mul(g.transpose(0, 1).to(dtype), scale, out=cols)
-        return cols.reshape(g.shape[1], -1)
-
-    def batch_size(self, tensor: torch.Tensor) -> int:  # noqa: D102
-        return tensor.shape[0] if tensor.dim() == 4 else 1
+__all__ = [
+    'PATCH_BLOCK_ELEMENTS',
+    'Conv2dModuleHelper',
+    'ConvModuleHelper',
+    'LinearModuleHelper',
+    'ModuleHelper',
+]

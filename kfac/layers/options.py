@@ -1,11 +1,11 @@
 """Per-module options: one model-wide value, overrides by name or type.
 
-Every per-module option (`batch_first` today) has a model-wide value, a
-keyword argument of the preconditioner. `module_options` overrides it for
-the modules it selects: `{pattern: {option: value}}`, where a pattern is a
-regular expression searched (`re.search`) in a module's dotted name and in
-its class name, as `skip_layers` patterns are. Options are resolved once,
-at registration, in this order (the first that applies wins):
+Every per-module option (`batch_first`, `kfac_approx`) has a model-wide value,
+a keyword argument of the preconditioner. `module_options` overrides it for the
+modules it selects: `{pattern: {option: value}}`, where a pattern is a regular
+expression searched (`re.search`) in a module's dotted name and in its class
+name, as `skip_layers` patterns are. Options are resolved once, at
+registration, in this order (the first that applies wins):
 
 1. the last `module_options` pattern that selects the module and sets the
    option;
@@ -29,7 +29,11 @@ from typing import Any
 from torch import nn
 
 from kfac.validation import check_bool
+from kfac.validation import check_choice
 from kfac.validation import type_error
+
+KFAC_APPROXIMATIONS = ('expand', 'reduce')
+"""Allowed values of `kfac_approx`."""
 
 _LAYOUT_OWNERS = (
     nn.MultiheadAttention,
@@ -49,8 +53,16 @@ class ModuleOptions:
     `nn.Transformer*` by default). The number of examples `N` is read from
     the layout. A 2-D input is `(N, features)` either way."""
 
+    kfac_approx: str = 'expand'
+    """How weight-sharing positions (sequence positions of a Linear,
+    output positions of a convolution) enter the factors: `'expand'`
+    treats each position as a further example, `'reduce'` averages the
+    inputs and sums the output gradients over an example's positions first
+    (Eschenhagen et al., NeurIPS 2023; see [`kfac.math`][kfac.math])."""
+
     def __post_init__(self) -> None:
         check_bool('batch_first', self.batch_first)
+        check_choice('kfac_approx', self.kfac_approx, KFAC_APPROXIMATIONS)
 
 
 OPTION_NAMES = tuple(f.name for f in dataclasses.fields(ModuleOptions))

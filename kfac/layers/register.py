@@ -14,9 +14,12 @@ from collections.abc import Mapping
 
 from torch import nn
 
+from kfac.layers.attention import AttentionProjection
+from kfac.layers.attention import AttentionProjectionHelper
+from kfac.layers.attention import KFACMultiheadAttention
+from kfac.layers.conv import ConvModuleHelper
 from kfac.layers.embedding import EmbeddingModuleHelper
 from kfac.layers.embedding import unsupported_reason
-from kfac.layers.modules import Conv2dModuleHelper
 from kfac.layers.modules import LinearModuleHelper
 from kfac.layers.modules import ModuleHelper
 from kfac.layers.options import ModuleOptions
@@ -25,10 +28,15 @@ from kfac.layers.options import resolve_options
 
 KNOWN_MODULES: dict[type[nn.Module], type[ModuleHelper]] = {
     nn.Linear: LinearModuleHelper,
-    nn.Conv2d: Conv2dModuleHelper,
+    nn.Conv1d: ConvModuleHelper,
+    nn.Conv2d: ConvModuleHelper,
+    nn.Conv3d: ConvModuleHelper,
     nn.Embedding: EmbeddingModuleHelper,
+    AttentionProjection: AttentionProjectionHelper,
 }
 """Supported module types and their helpers, most specific first."""
+
+_CONVOLUTIONS = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
 
 
 def get_module_helper(module: nn.Module) -> ModuleHelper | None:
@@ -42,7 +50,7 @@ def get_module_helper(module: nn.Module) -> ModuleHelper | None:
     """
     for module_type, helper_type in KNOWN_MODULES.items():
         if isinstance(module, module_type):
-            if isinstance(module, nn.Conv2d) and module.groups != 1:
+            if isinstance(module, _CONVOLUTIONS) and module.groups != 1:
                 return None
             if isinstance(module, nn.Embedding) and unsupported_reason(module):
                 return None
@@ -88,6 +96,8 @@ def _skipped(name: str, module: nn.Module, patterns: list[str]) -> bool:
     return any(re.search(p, name) or re.search(p, cls) for p in patterns)
 
 
+_SEPARATE_WEIGHTS = ('q_proj_weight', 'k_proj_weight', 'v_proj_weight')
+
 _FUNCTIONAL = ((nn.MultiheadAttention, 'out_proj'),)
 """`(parent type, child name)` of modules whose parent uses their weight
 without calling them, so their hooks never fire."""
@@ -126,10 +136,22 @@ def _functional_parent(
 ) -> str | None:
     parent, _, child = name.rpartition('.')
     owner = modules.get(parent)
+    if isinstance(owner, KFACMultiheadAttention):
+        return None  # converted: calls out_proj as a module
     for parent_type, child_name in _FUNCTIONAL:
         if isinstance(owner, parent_type) and child == child_name:
             return type(owner).__name__
     return None
+
+
+def _own_parameters(module: nn.Module) -> tuple[str, ...]:
+    """The module's own parameters that no registered layer covers."""
+    own = tuple(n for n, _ in module.named_parameters(recurse=False))
+    if isinstance(module, KFACMultiheadAttention):
+        # Its projections precondition these.
+        covered = {'in_proj_weight', 'in_proj_bias', *_SEPARATE_WEIGHTS}
+        return tuple(n for n in own if n not in covered)
+    return own
 
 
 def _reason(
@@ -139,10 +161,12 @@ def _reason(
     patterns: list[str],
 ) -> str | None:
     """Why `module` is not preconditioned (None: it is)."""
-    if isinstance(module, nn.Conv2d) and module.groups != 1:
-        return f'grouped convolution (groups={module.groups})'
+    if isinstance(module, KFACMultiheadAttention):
+        return 'attention key/value biases (add_bias_kv): plain gradient'
     if not any(isinstance(module, kind) for kind in KNOWN_MODULES):
         return 'unsupported type (trained with the plain gradient)'
+    if isinstance(module, _CONVOLUTIONS) and module.groups != 1:
+        return f'grouped convolution (groups={module.groups})'
     if isinstance(module, nn.Embedding) and (
         embedding := unsupported_reason(module)
     ):
@@ -153,7 +177,8 @@ def _reason(
     matched = [p for p in patterns if _skipped(name, module, [p])]
     if matched:
         return f'skipped by the skip_layers pattern {matched[0]!r}'
-    weight = getattr(module, 'weight', None)
+    helper = get_module_helper(module)
+    weight = None if helper is None else helper.weight
     if not (isinstance(weight, nn.Parameter) and weight.requires_grad):
         return 'frozen at construction (weight.requires_grad is False)'
     return None
@@ -207,9 +232,10 @@ def register_model(
                 modules, name, defaults, overrides
             )
             helper.batch_first = options[name].batch_first
+            helper.kfac_approx = options[name].kfac_approx
             helpers[name] = helper
             continue
-        own = tuple(n for n, _ in module.named_parameters(recurse=False))
+        own = _own_parameters(module)
         if own:
             cls = type(module).__name__
             skipped.append(Skipped(name or '<root>', cls, own, reason))

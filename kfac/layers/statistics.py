@@ -14,6 +14,9 @@ pass are further positions of the same examples (see the conventions in
 
 from __future__ import annotations
 
+import enum
+import warnings
+
 import torch
 
 from kfac.layers.factor import Captured
@@ -25,7 +28,61 @@ from kfac.validation import check_dtype
 from kfac.validation import check_instance
 
 LOSS_REDUCTIONS = ('mean', 'sum')
-"""Allowed values of `loss_reduction`."""
+"""Allowed values of the deprecated `loss_reduction`."""
+
+LOSS_AVERAGES = (None, 'batch', 'batch+sequence')
+"""Allowed values of `loss_average`: how the loss averages its terms."""
+
+
+class _Default(enum.Enum):
+    """The default `loss_average`, told apart from an explicit value."""
+
+    BATCH = 'batch'
+
+
+DEFAULT_LOSS_AVERAGE = _Default.BATCH
+"""`loss_average` when neither it nor `loss_reduction` is given:
+`'batch'`."""
+
+LossAverage = str | None | _Default
+"""A `loss_average` argument as accepted."""
+
+
+def resolve_loss_average(
+    loss_average: object, loss_reduction: object = None
+) -> str | None:
+    """The `loss_average` in force, from it or the deprecated
+    `loss_reduction` (`'mean'` is `'batch'`, `'sum'` is `None`).
+
+    Raises:
+        ValueError: both are given, or a value is not allowed.
+        TypeError: `loss_reduction` is not a string.
+    """
+    if loss_reduction is not None:
+        warnings.warn(
+            'loss_reduction is deprecated and will be removed in the next '
+            "release; use loss_average ('mean' is 'batch', 'sum' is None)",
+            DeprecationWarning,
+            stacklevel=3,
+        )
+        if loss_average is not DEFAULT_LOSS_AVERAGE:
+            raise ValueError(
+                'pass loss_average or the deprecated loss_reduction, not '
+                f'both; got loss_average={loss_average!r} and '
+                f'loss_reduction={loss_reduction!r}',
+            )
+        reduction = check_choice(
+            'loss_reduction', loss_reduction, LOSS_REDUCTIONS
+        )
+        return 'batch' if reduction == 'mean' else None
+    if loss_average is DEFAULT_LOSS_AVERAGE:
+        return 'batch'
+    if loss_average not in LOSS_AVERAGES:
+        raise ValueError(
+            f'loss_average must be one of {LOSS_AVERAGES}; got '
+            f'{loss_average!r}',
+        )
+    return loss_average
 
 
 class LayerStatistics:
@@ -36,7 +93,11 @@ class LayerStatistics:
         factor_dtype: dtype of the running factors (see
             [`KFACBaseLayer`][kfac.layers.base.KFACBaseLayer]).
         inv_dtype: dtype of decompositions and preconditioned gradients.
-        loss_reduction: `'mean'` or `'sum'`.
+        loss_average: how the loss averages its terms: `None` (summed),
+            `'batch'` (over the `N` examples) or `'batch+sequence'` (over
+            the `N T` examples and positions); see [`kfac.math`][kfac.math].
+        loss_reduction: deprecated: `'mean'` is `loss_average='batch'`,
+            `'sum'` is `None`.
     """
 
     def __init__(
@@ -45,7 +106,8 @@ class LayerStatistics:
         *,
         factor_dtype: torch.dtype | None = None,
         inv_dtype: torch.dtype | None = None,
-        loss_reduction: str = 'mean',
+        loss_average: LossAverage = DEFAULT_LOSS_AVERAGE,
+        loss_reduction: str | None = None,
     ) -> None:
         check_instance(
             'module',
@@ -55,9 +117,8 @@ class LayerStatistics:
         )
         check_dtype('factor_dtype', factor_dtype)
         check_dtype('inv_dtype', inv_dtype)
-        check_choice('loss_reduction', loss_reduction, LOSS_REDUCTIONS)
+        self.loss_average = resolve_loss_average(loss_average, loss_reduction)
         self.module = module
-        self.loss_reduction = loss_reduction
         self._dtype_options = (factor_dtype, inv_dtype)
         self._set_dtypes(module.weight.dtype)
         self._placed = (module.weight.device, module.weight.dtype)
@@ -72,10 +133,7 @@ class LayerStatistics:
             'G',
             module.g_factor_shape[0],
             lambda x, m: module.g_statistic(
-                x,
-                self.stat_dtype,
-                m,
-                per_example=loss_reduction == 'mean',
+                x, self.stat_dtype, m, per_example=False
             ),
             self.factor_dtype,
         )
@@ -148,16 +206,38 @@ class LayerStatistics:
         Args:
             grad_output: gradient of the (scaled) loss w.r.t. the output.
             loss_scale: the mixed-precision loss scale to divide out.
-            accumulation_steps: micro-batches in the step; with `'mean'`
-                reduction each micro-batch loss is assumed divided by it, so
-                the output gradient is multiplied back.
+            accumulation_steps: micro-batches in the step; an averaged
+                loss is assumed divided by it in each micro-batch, so the
+                output gradient is multiplied back.
             now: compute the statistic now instead of keeping the tensor.
 
         """
-        accumulation = (
-            accumulation_steps if self.loss_reduction == 'mean' else 1
+        multiplier, count = self._g_scaling(grad_output, accumulation_steps)
+        self.g.add(
+            self.g.prepare(
+                grad_output, multiplier / loss_scale, now=now, counted=False
+            )
         )
-        self.g.capture(grad_output, accumulation / loss_scale, now=now)
+        self.g.add_examples(count)
+
+    def _g_scaling(
+        self, grad_output: torch.Tensor, accumulation_steps: int
+    ) -> tuple[float, int]:
+        """The multiplier turning an output gradient into `g`, and the
+        number of terms `G` averages over.
+
+        With `loss_average='batch'` the loss is a mean over `N` examples,
+        so `g = N ∂L/∂s` and `G` averages over `N`; with
+        `'batch+sequence'` over `N T` terms (`T` the layer's positions);
+        summed (`None`), `g = ∂L/∂s` and `G` is a sum. A loss averaged
+        over the micro-batches of a step is multiplied back by their number.
+        """
+        if self.loss_average is None:
+            return 1.0, 0
+        terms = self.module.batch_size(grad_output)
+        if self.loss_average == 'batch+sequence':
+            terms *= self.module.positions(grad_output)
+        return float(terms * accumulation_steps), terms
 
     def prepare_input(
         self, layer_input: torch.Tensor, *, now: bool
@@ -184,17 +264,17 @@ class LayerStatistics:
         several calls in one pass are positions of the same examples.
 
         Returns:
-            The number of examples `N` of this call.
+            The number of terms `G` averages over for this call (`N`,
+                `N T` with `'batch+sequence'`, 0 for a summed loss).
         """
         self.a.add(layer_input)
-        accumulation = (
-            accumulation_steps if self.loss_reduction == 'mean' else 1
-        )
-        multiplier = accumulation / loss_scale
+        multiplier, count = self._g_scaling(grad_output, accumulation_steps)
         self.g.add(
-            self.g.prepare(grad_output, multiplier, now=now, counted=False)
+            self.g.prepare(
+                grad_output, multiplier / loss_scale, now=now, counted=False
+            )
         )
-        return self.module.batch_size(grad_output)
+        return count
 
     def add_examples(self, count: int) -> None:
         """Count the `count` examples of one backward pass (see `add_call`)."""

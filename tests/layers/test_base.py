@@ -53,11 +53,23 @@ def decomposed(
     return layer, x, gout
 
 
-def test_layer_rejects_unknown_loss_reduction() -> None:
-    with pytest.raises(ValueError, match='loss_reduction must be one of'):
-        KFACEigenLayer(
-            LinearModuleHelper(nn.Linear(2, 2)), loss_reduction='avg'
-        )
+def test_layer_validates_loss_average_and_its_deprecated_alias() -> None:
+    helper = LinearModuleHelper(nn.Linear(2, 2))
+    with pytest.raises(ValueError, match='loss_average must be one of'):
+        KFACEigenLayer(helper, loss_average='mean')
+    with pytest.warns(DeprecationWarning, match='use loss_average'):
+        layer = KFACEigenLayer(helper, loss_reduction='sum')
+    assert layer.loss_average is None
+    with (
+        pytest.warns(DeprecationWarning, match='use loss_average'),
+        pytest.raises(ValueError, match='not both'),
+    ):
+        KFACEigenLayer(helper, loss_reduction='mean', loss_average='batch')
+    with (
+        pytest.warns(DeprecationWarning, match='use loss_average'),
+        pytest.raises(ValueError, match='loss_reduction must be one of'),
+    ):
+        KFACEigenLayer(helper, loss_reduction='avg')
 
 
 def test_unknown_factor_name_is_rejected() -> None:

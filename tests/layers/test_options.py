@@ -27,6 +27,7 @@ F64 = torch.float64
         ({'fc': 3}, TypeError, r"module_options\['fc'\] must be a mapping"),
         ({'fc': {'colour': 1}}, ValueError, r"unknown options \['colour'\]"),
         ({'fc': {'batch_first': 1}}, TypeError, 'batch_first must be a bool'),
+        ({'fc': {'kfac_approx': 'x'}}, ValueError, 'kfac_approx must be one'),
     ],
 )
 def test_module_options_are_validated(
@@ -57,14 +58,17 @@ def test_resolution_order_and_sources() -> None:
     }
     assert resolved['enc.linear1'] == (
         ModuleOptions(batch_first=False),
-        {'batch_first': 'inherited from enc'},
+        {'batch_first': 'inherited from enc', 'kfac_approx': 'model'},
     )
     assert resolved['head'] == (
         ModuleOptions(batch_first=False),
-        {'batch_first': "module_options['head|tail']"},
+        {'batch_first': "module_options['head|tail']", 'kfac_approx': 'model'},
     )
     assert resolved['tail'][0] == ModuleOptions(batch_first=True)  # last wins
-    assert resolved['enc'][1] == {'batch_first': 'model'}
+    assert resolved['enc'][1] == {
+        'batch_first': 'model',
+        'kfac_approx': 'model',
+    }
 
 
 def _preconditioned_grads(
@@ -124,8 +128,11 @@ def test_transformer_submodules_inherit_the_layout() -> None:
         # The head sees the encoder's layout: sequence-first in the second.
         head = {'head': {'batch_first': model.batch_first}}
         precon = KFACPreconditioner(model, kl_clip=None, module_options=head)
-        source = precon.describe()['preconditioned'][0]['options']
-        assert source['batch_first']['source'] == 'inherited from layer'
+        report = {e['name']: e for e in precon.describe()['preconditioned']}
+        source = report['layer.linear1']['options']['batch_first']
+        assert source['source'] == 'inherited from layer'
+        attention = report['layer.self_attn.q_proj']['options']['batch_first']
+        assert attention['source'] == 'inherited from layer.self_attn'
         out = model(data)
         F.cross_entropy(out.reshape(-1, 3), y.reshape(-1)).backward()
         precon.step()

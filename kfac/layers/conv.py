@@ -1,0 +1,151 @@
+"""Convolutions of any dimension as Linear layers over patches.
+
+A convolution with `groups == 1` is a Linear map from the `C·Π k` values
+of each input patch to the `out` channels, shared across the output
+positions (`L'`, `H'·W'` or `D'·H'·W'`): `A` is formed from the unfolded
+patches and `G` from the output gradient at every position (see the
+conventions in [`kfac.math`][kfac.math]). One helper serves
+`nn.Conv1d`, `nn.Conv2d` and `nn.Conv3d`.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Iterator
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kfac.layers.modules import PATCH_BLOCK_ELEMENTS
+from kfac.layers.modules import ModuleHelper
+
+_CONVOLUTIONS = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
+
+
+class ConvModuleHelper(ModuleHelper):
+    """Helper for `nn.Conv1d`, `nn.Conv2d` and `nn.Conv3d` with
+    `groups == 1`.
+
+    Inputs unfold into patches (respecting `stride`, `padding` including
+    `'same'`/`'valid'`, `dilation` and `padding_mode`), so the layer is a
+    Linear over `C·Π kernel_size` inputs shared across the output
+    positions. An input without its batch dimension is one example.
+
+    Args:
+        module: the convolution.
+
+    Raises:
+        TypeError: `module` is not a 1-, 2- or 3-D convolution.
+        ValueError: `module.groups` is not 1.
+    """
+
+    module: nn.Conv1d | nn.Conv2d | nn.Conv3d
+
+    def __init__(self, module: nn.Module) -> None:
+        if not isinstance(module, _CONVOLUTIONS):
+            raise TypeError(
+                'ConvModuleHelper needs an nn.Conv1d, nn.Conv2d or '
+                f'nn.Conv3d; got {type(module).__name__}',
+            )
+        if module.groups != 1:
+            raise ValueError(
+                f'{type(self).__name__} supports groups=1 only; got '
+                f'groups={module.groups}',
+            )
+        super().__init__(module)
+        self.spatial = len(module.kernel_size)
+        """Number of spatial dimensions (1, 2 or 3)."""
+
+    def _pad_amounts(self) -> list[int]:
+        """`F.pad` amounts, the last dimension first."""
+        m = self.module
+        pads: list[int] = []
+        for dim in reversed(range(self.spatial)):
+            if isinstance(m.padding, str):
+                same = m.padding == 'same'
+                total = m.dilation[dim] * (m.kernel_size[dim] - 1) * same
+                before, after = total // 2, total - total // 2
+            else:
+                before = after = m.padding[dim]
+            pads += [before, after]
+        return pads
+
+    def _batched(self, tensor: torch.Tensor) -> torch.Tensor:
+        batched = tensor.dim() == self.spatial + 2
+        return tensor if batched else tensor[None]
+
+    def a_columns(  # noqa: D102
+        self,
+        layer_input: torch.Tensor,
+        dtype: torch.dtype,
+    ) -> Iterator[torch.Tensor]:
+        m = self.module
+        x = self._batched(layer_input)
+        pads = self._pad_amounts()
+        if any(pads):
+            mode = 'constant' if m.padding_mode == 'zeros' else m.padding_mode
+            x = F.pad(x, pads, mode=mode)
+        n, channels = x.shape[:2]
+        kernel, dilation, stride = m.kernel_size, m.dilation, m.stride
+        out = [
+            (size - d * (k - 1) - 1) // s + 1
+            for size, k, d, s in zip(x.shape[2:], kernel, dilation, stride)
+        ]
+        positions = math.prod(out)
+        rows = channels * math.prod(kernel)
+        # Patches are Π k times larger than the input: build them a few
+        # examples at a time in one reused buffer, laid out (C, *kernel,
+        # examples, *out) so that each kernel offset is one strided copy
+        # of a shifted slice and the block is the (in, r) matrix as it is.
+        per_example = max(1, rows * positions)
+        chunk = max(1, min(n, PATCH_BLOCK_ELEMENTS // per_example))
+        buffer = x.new_empty(per_example * chunk, dtype=dtype)
+        for start in range(0, n, chunk):
+            block = x[start : start + chunk].transpose(0, 1)
+            count = block.shape[1]
+            patches = buffer[: per_example * count].view(
+                channels, *kernel, count, *out
+            )
+            for offsets in itertools.product(*(range(k) for k in kernel)):
+                window = [
+                    slice(o * d, o * d + s * (size - 1) + 1, s)
+                    for o, d, s, size in zip(offsets, dilation, stride, out)
+                ]
+                index: tuple[int | slice, ...] = (slice(None), *offsets)
+                target = patches[index]
+                target.copy_(block[(slice(None), slice(None), *window)])
+            columns = patches.view(rows, count, positions)
+            if self.kfac_approx == 'reduce':
+                yield columns.mean(dim=2)
+            else:
+                yield columns.view(rows, count * positions)
+
+    def g_columns(  # noqa: D102
+        self,
+        grad_output: torch.Tensor,
+        dtype: torch.dtype,
+        scale: float,
+    ) -> torch.Tensor:
+        g = self._batched(grad_output)
+        cols = torch.empty(
+            (g.shape[1], g.shape[0], *g.shape[2:]),
+            dtype=dtype,
+            device=g.device,
+        )
+        torch.mul(g.transpose(0, 1).to(dtype), scale, out=cols)
+        if self.kfac_approx == 'reduce':
+            return cols.reshape(g.shape[1], g.shape[0], -1).sum(dim=2)
+        return cols.reshape(g.shape[1], -1)
+
+    def batch_size(self, tensor: torch.Tensor) -> int:  # noqa: D102
+        return self._batched(tensor).shape[0]
+
+    def positions(self, tensor: torch.Tensor) -> int:  # noqa: D102
+        return math.prod(self._batched(tensor).shape[2:])
+
+
+Conv2dModuleHelper = ConvModuleHelper
+"""The name of [`ConvModuleHelper`][kfac.layers.conv.ConvModuleHelper]
+before it took 1-D and 3-D convolutions too."""
