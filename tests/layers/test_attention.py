@@ -191,7 +191,7 @@ def test_projections_precondition_like_three_linear_layers() -> None:
                 a.value, b.value, rtol=1e-10, label='attention factors'
             )
     weight = attention.in_proj_weight.grad
-    bias = attention.in_proj_bias.grad  # type: ignore[union-attr]
+    bias = attention.in_proj_bias.grad
     assert weight is not None and bias is not None
     for i, linear in enumerate((twin.q, twin.k, twin.v)):
         assert linear.weight.grad is not None and linear.bias.grad is not None
