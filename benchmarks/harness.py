@@ -31,6 +31,7 @@ from collections.abc import Callable
 
 import torch
 
+from benchmarks.models import SKIP_LAYERS
 from benchmarks.models import Bench
 from kfac.preconditioner import KFACPreconditioner
 from kfac.tracing import PhaseTimer
@@ -128,6 +129,7 @@ class Runner:
                 factor_update_steps=config.factor_steps,
                 inv_update_steps=config.inv_steps,
                 lr=LR,
+                skip_layers=SKIP_LAYERS,
             )
             self.preconditioner.timer = self.timer
         self.steps = 0

@@ -24,7 +24,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ['MLP', 'MODELS', 'Bench', 'ResNet20', 'Transformer', 'build']
+__all__ = [
+    'MLP',
+    'MODELS',
+    'SKIP_LAYERS',
+    'Bench',
+    'ResNet20',
+    'Transformer',
+    'build',
+]
 
 
 class MLP(nn.Module):
@@ -160,6 +168,12 @@ class Transformer(nn.Module):
 
 
 Loss = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+SKIP_LAYERS = ('Embedding',)
+"""What the benchmarks leave to the optimizer: embeddings (preconditioned by
+the library since it gained them) stay out, so that the figures compare
+with earlier runs and the floor model (Linear and Conv2d layers) covers
+every layer K-FAC preconditions."""
 
 
 def _sequence_loss(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:

@@ -30,6 +30,7 @@ from benchmarks.harness import spread
 from benchmarks.harness import step_kind
 from benchmarks.machine import machine_info
 from benchmarks.models import MLP
+from benchmarks.models import SKIP_LAYERS
 from benchmarks.models import ResNet20
 from benchmarks.models import Transformer
 from benchmarks.report import markdown
@@ -119,7 +120,7 @@ def test_capture_and_precondition_flops_match_the_library(
 
 @pytest.mark.parametrize('model', [MLP(), ResNet20(), Transformer(depth=1)])
 def test_layer_shapes_match_the_registered_layers(model: nn.Module) -> None:
-    pre = KFACPreconditioner(model)
+    pre = KFACPreconditioner(model, skip_layers=SKIP_LAYERS)
     shapes = layer_shapes(model)
     assert [s.name for s in shapes] == list(pre.layers)
     for shape in shapes:
@@ -134,7 +135,7 @@ def test_layer_shapes_match_the_registered_layers(model: nn.Module) -> None:
 
 
 def test_transformer_attention_projections_are_preconditioned() -> None:
-    pre = KFACPreconditioner(Transformer(depth=2))
+    pre = KFACPreconditioner(Transformer(depth=2), skip_layers=SKIP_LAYERS)
     names = {n.rsplit('.', 1)[-1] for n in pre.layers}
     assert {'q', 'k', 'v', 'out', 'fc1', 'fc2', 'head'} <= names
     assert len(pre.layers) == 2 * 6 + 1
