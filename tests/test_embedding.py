@@ -110,6 +110,45 @@ def test_embedding_preconditions_like_a_linear_on_one_hot_inputs(
     """With `padding_idx` the twin's padding column gets no gradient
     either (PyTorch gives the embedding's padding row none).
     """
+    check_twin(padding_idx, shape, batch_first=batch_first, **method)
+
+
+@pytest.mark.parametrize(('shape', 'batch_first'), LAYOUTS[:2])
+def test_token_averaged_loss_counts_positions_like_the_twin(
+    shape: tuple[int, ...], batch_first: bool
+) -> None:
+    """`loss_average='batch+sequence'`: `G` averages over the `N T`
+    positions the embedding reads from its output gradient's layout.
+    """
+    check_twin(
+        None, shape, batch_first=batch_first, loss_average='batch+sequence'
+    )
+
+
+def test_reduce_is_refused_with_the_override_that_fixes_it() -> None:
+    with pytest.raises(ValueError, match="supports 'expand' only") as error:
+        KFACPreconditioner(Tokens(), kfac_approx='reduce')
+    assert "module_options={'Embedding': {'kfac_approx': 'expand'}}" in str(
+        error.value
+    )
+    precon = KFACPreconditioner(
+        Tokens(),
+        kfac_approx='reduce',
+        module_options={'Embedding': {'kfac_approx': 'expand'}},
+    )
+    options = {
+        e['name']: e['options'] for e in precon.describe()['preconditioned']
+    }
+    assert options['embed']['kfac_approx']['value'] == 'expand'
+    assert options['head']['kfac_approx']['value'] == 'reduce'
+
+
+def check_twin(
+    padding_idx: int | None, shape: tuple[int, ...], **kwargs: Any
+) -> None:
+    """Train an embedding model and its one-hot twin side by side; their
+    factors, preconditioned gradients and weights agree at every step.
+    """
     torch.manual_seed(0)
     model = Tokens(padding_idx=padding_idx).double()
     twin = OneHot(model).double()
@@ -119,8 +158,7 @@ def test_embedding_preconditions_like_a_linear_on_one_hot_inputs(
         factor_decay=0.8,
         damping=0.01,
         lr=0.1,
-        batch_first=batch_first,
-        **method,
+        **kwargs,
     )
     precons = [KFACPreconditioner(m, **options) for m in (model, twin)]
     optimizers = [
