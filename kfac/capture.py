@@ -110,7 +110,8 @@ class _Tally:
     fired: int = 0
     """Calls whose gradient arrived in the current backward pass."""
     examples: int = 0
-    """Examples `N` of those calls (the largest)."""
+    """Terms `G` averages over for those calls (the largest; see
+    `add_call`)."""
     passes: int = 0
     """Backward passes completed in this step."""
 
