@@ -17,8 +17,10 @@ import logging
 from collections import Counter
 from collections.abc import Iterable
 from collections.abc import Mapping
+from collections.abc import Sequence
 
 import torch
+from torch import nn
 
 from kfac.assignment import WorkAssignment
 from kfac.capture import Capture
@@ -68,6 +70,8 @@ class BaseKFACPreconditioner(EngineState):
             [`TorchDistributedCommunicator`][kfac.distributed.TorchDistributedCommunicator].
         bucketed: allreduce factors in buckets.
         loglevel: level of the preconditioner's informational messages.
+        aliases: per layer name, further modules sharing its weight whose
+            calls count as calls of its module.
 
     """
 
@@ -83,6 +87,7 @@ class BaseKFACPreconditioner(EngineState):
         communicator: TorchDistributedCommunicator | None = None,
         bucketed: bool = True,
         loglevel: int = logging.DEBUG,
+        aliases: Mapping[str, Sequence[nn.Module]] | None = None,
     ) -> None:
         check_mapping('layers', layers, KFACBaseLayer, 'KFACBaseLayer')
         check_instance(
@@ -136,6 +141,7 @@ class BaseKFACPreconditioner(EngineState):
             on_complete=self._on_captured,
             phase=self._phase,
             log_once=self._log_once,
+            aliases=aliases,
         )
 
     def __repr__(self) -> str:

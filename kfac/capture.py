@@ -31,6 +31,7 @@ import logging
 import weakref
 from collections.abc import Callable
 from collections.abc import Mapping
+from collections.abc import Sequence
 from typing import Any
 from typing import Protocol
 
@@ -134,6 +135,8 @@ class Capture:
         phase: times the capture (see
             [`PhaseTimer`][kfac.tracing.PhaseTimer]).
         log_once: logs a warning once per key and module.
+        aliases: further modules per layer name whose calls are calls of
+            the layer's module (modules sharing its weight).
     """
 
     def __init__(
@@ -147,6 +150,7 @@ class Capture:
         on_complete: Callable[[str], None],
         phase: Phase,
         log_once: LogOnce,
+        aliases: Mapping[str, Sequence[nn.Module]] | None = None,
     ) -> None:
         self._layers = layers
         self._active = active
@@ -160,21 +164,25 @@ class Capture:
         self._tallies = {name: _Tally() for name in layers}
         self._queued = False
         self._fresh = False
+        self._modules = {
+            name: [layer.module.module, *(aliases or {}).get(name, ())]
+            for name, layer in layers.items()
+        }
         self._warn_about_owners()
         self._handles: list[RemovableHandle] = []
         for name, layer in layers.items():
-            module = layer.module.module
-            self._handles.append(
-                module.register_forward_hook(
-                    functools.partial(self._forward_hook, name)
+            for module in self._modules[name]:
+                self._handles.append(
+                    module.register_forward_hook(
+                        functools.partial(self._forward_hook, name)
+                    )
                 )
-            )
+                _OWNERS[module] = weakref.ref(self)
             self._handles.append(
                 layer.module.weight.register_post_accumulate_grad_hook(
                     self._accumulated
                 )
             )
-            _OWNERS[module] = weakref.ref(self)
         is_enabled = getattr(grad_scaler, 'is_enabled', None)
         if callable(is_enabled) and not is_enabled():
             log_once(
@@ -186,8 +194,8 @@ class Capture:
             )
 
     def _warn_about_owners(self) -> None:
-        for name, layer in self._layers.items():
-            ref = _OWNERS.get(layer.module.module)
+        for name, modules in self._modules.items():
+            ref = _OWNERS.get(modules[0])
             owner = None if ref is None else ref()
             if owner is not None and owner.attached:
                 logger.warning(

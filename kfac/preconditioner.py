@@ -357,6 +357,10 @@ class KFACPreconditioner(BaseKFACPreconditioner):
             ),
             bucketed=config.allreduce_bucket_cap_mb > 0,
             loglevel=config.loglevel,
+            aliases={
+                name: [modules[alias] for alias in names]
+                for name, names in self.registration.aliases.items()
+            },
         )
         self._report = describe_registration(self.registration, layers)
         logger.info('%s', format_report(self._report))

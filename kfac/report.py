@@ -27,7 +27,9 @@ def describe_registration(
             preconditioned entry has `name`, `type`, `A` and `G` (the
             running factors' shapes: `(n,)` for a diagonal factor, kept as
             its diagonal), `factor_bytes` (both running factors) and `options`
-            (`{option: {'value': ..., 'source': ...}}`); the other entries
+            (`{option: {'value': ..., 'source': ...}}`) and
+            `shares_weight_with` (modules whose calls count as its own:
+            they share its weight); the other entries
             have `name`, `type`, `parameters` (the module's own) and
             `reason`.
     """
@@ -49,6 +51,7 @@ def describe_registration(
                     key: {'value': value, 'source': sources[key]}
                     for key, value in options.items()
                 },
+                'shares_weight_with': list(registration.aliases.get(name, [])),
             }
         )
     others = [
@@ -76,6 +79,9 @@ def format_report(report: Mapping[str, list[dict[str, Any]]]) -> str:
             f'{key}={setting["value"]} ({setting["source"]})'
             for key, setting in entry['options'].items()
         )
+        shared = entry['shares_weight_with']
+        if shared:
+            options += f'; weight shared with {", ".join(shared)}'
         lines.append(
             f'  {entry["name"]} ({entry["type"]}): A {_shape(entry["A"])}, '
             f'G {_shape(entry["G"])}; {options}'

@@ -129,6 +129,10 @@ class Registration:
     """Where each option of each module came from."""
     skipped: tuple[Skipped, ...]
     """Every other module that has parameters, with the reason."""
+    aliases: dict[str, list[str]] = dataclasses.field(default_factory=dict)
+    """Per preconditioned module, the other modules sharing its weight in
+    the same role: their calls count as its calls (one set of factors per
+    parameter, keyed by the first module's name)."""
 
 
 def _functional_parent(
@@ -239,7 +243,69 @@ def register_model(
         if own:
             cls = type(module).__name__
             skipped.append(Skipped(name or '<root>', cls, own, reason))
-    return Registration(helpers, options, sources, tuple(skipped))
+    aliases = _tie(modules, helpers, skipped)
+    options = {n: options[n] for n in helpers}
+    sources = {n: sources[n] for n in helpers}
+    return Registration(helpers, options, sources, tuple(skipped), aliases)
+
+
+def _same_role(first: ModuleHelper, other: ModuleHelper) -> bool:
+    return (
+        type(first) is type(other)
+        and first.grad_shape == other.grad_shape
+        and first.bias is other.bias
+    )
+
+
+def _tie(
+    modules: Mapping[str, nn.Module],
+    helpers: dict[str, ModuleHelper],
+    skipped: list[Skipped],
+) -> dict[str, list[str]]:
+    """Group the modules that share a weight (in place).
+
+    Modules sharing a weight in the same role (same helper type, gradient
+    shape and bias) become one layer, the first one's; a weight shared in
+    another role (an embedding tied to an output head, a module that is not
+    preconditioned) leaves every module using it to the optimizer: one
+    `.grad` is never preconditioned twice, nor with the factors of one use
+    alone.
+    """
+    owners: dict[int, list[str]] = {}
+    for name, module in modules.items():
+        for _, param in module.named_parameters(recurse=False):
+            owners.setdefault(id(param), []).append(name)
+    aliases: dict[str, list[str]] = {}
+    for name in list(helpers):
+        helper = helpers.get(name)
+        if helper is None or isinstance(helper, AttentionProjectionHelper):
+            continue
+        users = owners.get(id(helper.weight), [name])
+        if len(users) == 1:
+            continue
+        same = all(
+            user in helpers and _same_role(helper, helpers[user])
+            for user in users
+        )
+        first, *others = users
+        if same:
+            aliases[first] = others
+            for user in others:
+                del helpers[user]
+            continue
+        for user in users:
+            if helpers.pop(user, None) is not None:
+                shared = ', '.join(u for u in users if u != user)
+                reason = (
+                    f'weight shared with {shared} in another role: left '
+                    'to the optimizer'
+                )
+                module = modules[user]
+                own = _own_parameters(module)
+                skipped.append(
+                    Skipped(user, type(module).__name__, own, reason)
+                )
+    return aliases
 
 
 def register_modules(
