@@ -83,8 +83,8 @@ def datasets(args: argparse.Namespace) -> tuple[Dataset[Any], Dataset[Any]]:
         )
     if args.data_dir is None:
         raise ValueError('give --data-dir (or --synthetic N)')
-    import torchvision  # type: ignore[import-not-found,unused-ignore]  # optional; not installed in the test environment
-    from torchvision import transforms as t  # type: ignore[import-not-found,unused-ignore]  # optional
+    import torchvision  # type: ignore[import-not-found,import-untyped,unused-ignore]  # optional; absent or without stubs in the test environment
+    from torchvision import transforms as t  # type: ignore[import-not-found,import-untyped,unused-ignore]  # optional
 
     normalize = t.Normalize(MEAN, STD)
     train = t.Compose(

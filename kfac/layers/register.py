@@ -235,6 +235,8 @@ def register_model(
             options[name], sources[name] = resolve_options(
                 modules, name, defaults, overrides
             )
+            if isinstance(helper, EmbeddingModuleHelper):
+                _embeddings_expand(options, sources, name)
             helper.batch_first = options[name].batch_first
             helper.kfac_approx = options[name].kfac_approx
             helpers[name] = helper
@@ -247,6 +249,25 @@ def register_model(
     options = {n: options[n] for n in helpers}
     sources = {n: sources[n] for n in helpers}
     return Registration(helpers, options, sources, tuple(skipped), aliases)
+
+
+def _embeddings_expand(
+    options: dict[str, ModuleOptions],
+    sources: dict[str, dict[str, str]],
+    name: str,
+) -> None:
+    """A model-wide `kfac_approx='reduce'` leaves embeddings at expand
+    (their diagonal `A` has no reduced form); asked for by
+    `module_options`, it is an error (raised by the helper).
+    """
+    if (
+        options[name].kfac_approx == 'reduce'
+        and sources[name]['kfac_approx'] == 'model'
+    ):
+        options[name] = dataclasses.replace(
+            options[name], kfac_approx='expand'
+        )
+        sources[name]['kfac_approx'] = 'model (embeddings: expand only)'
 
 
 def _same_role(first: ModuleHelper, other: ModuleHelper) -> bool:
