@@ -125,22 +125,26 @@ def test_token_averaged_loss_counts_positions_like_the_twin(
     )
 
 
-def test_reduce_is_refused_with_the_override_that_fixes_it() -> None:
-    with pytest.raises(ValueError, match="supports 'expand' only") as error:
-        KFACPreconditioner(Tokens(), kfac_approx='reduce')
-    assert "module_options={'Embedding': {'kfac_approx': 'expand'}}" in str(
-        error.value
-    )
-    precon = KFACPreconditioner(
-        Tokens(),
-        kfac_approx='reduce',
-        module_options={'Embedding': {'kfac_approx': 'expand'}},
-    )
+def test_model_wide_reduce_leaves_embeddings_at_expand() -> None:
+    """A model-wide `kfac_approx='reduce'` applies where it can; asking
+    for it on an embedding by name is refused, with the override.
+    """
+    precon = KFACPreconditioner(Tokens(), kfac_approx='reduce')
     options = {
         e['name']: e['options'] for e in precon.describe()['preconditioned']
     }
-    assert options['embed']['kfac_approx']['value'] == 'expand'
+    assert options['embed']['kfac_approx'] == {
+        'value': 'expand',
+        'source': 'model (embeddings: expand only)',
+    }
     assert options['head']['kfac_approx']['value'] == 'reduce'
+    with pytest.raises(ValueError, match="supports 'expand' only") as error:
+        KFACPreconditioner(
+            Tokens(), module_options={'embed': {'kfac_approx': 'reduce'}}
+        )
+    assert "module_options={'Embedding': {'kfac_approx': 'expand'}}" in str(
+        error.value
+    )
 
 
 def check_twin(
