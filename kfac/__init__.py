@@ -11,6 +11,7 @@ from __future__ import annotations
 from kfac import assignment
 from kfac import base_preconditioner
 from kfac import capture
+from kfac import config
 from kfac import distributed
 from kfac import enums
 from kfac import exchange
@@ -32,6 +33,7 @@ __all__ = [
     'assignment',
     'base_preconditioner',
     'capture',
+    'config',
     'distributed',
     'enums',
     'exchange',

@@ -224,7 +224,10 @@ class BaseKFACPreconditioner(EngineState):
         self._finished.add(name)
         with self._phase('running_average'):
             finite = layer.update_factors(self.factor_decay)
-        if finite is None and not layer.module.weight.requires_grad:
+        if finite is not None:
+            with self._phase('factor_allreduce'):
+                self._reduction.start(name, layer, finite)
+        elif not layer.module.weight.requires_grad:
             self._log_once(
                 'frozen',
                 name,
@@ -232,7 +235,7 @@ class BaseKFACPreconditioner(EngineState):
                 'built; its factors are not updated until it trains again',
                 name,
             )
-        elif finite is None:
+        else:
             self._log_once(
                 'no-data',
                 name,
@@ -242,10 +245,6 @@ class BaseKFACPreconditioner(EngineState):
                 name,
                 self._steps,
             )
-        if finite is None:
-            return
-        with self._phase('factor_allreduce'):
-            self._reduction.start(name, layer, finite)
 
     def _update_factors(self) -> None:
         self._capture.flush()

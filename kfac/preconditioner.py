@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import copy
-import dataclasses
 import logging
 from collections.abc import Callable
 from collections.abc import Iterable
@@ -16,153 +15,33 @@ from torch import nn
 from kfac.assignment import KAISAAssignment
 from kfac.base_preconditioner import BaseKFACPreconditioner
 from kfac.base_preconditioner import GradScalerLike
+from kfac.config import FractionLike
+from kfac.config import KFACConfig
 from kfac.distributed import TorchDistributedCommunicator
 from kfac.distributed import get_rank
 from kfac.distributed import get_world_size
 from kfac.enums import AssignmentStrategy
 from kfac.enums import ComputeMethod
 from kfac.enums import DistributedStrategy
-from kfac.enums import parse_enum
 from kfac.hyperparams import Hyperparameters
 from kfac.layers.attention import convert_attention
 from kfac.layers.base import KFACBaseLayer
 from kfac.layers.eigen import KFACEigenLayer
 from kfac.layers.inverse import KFACInverseLayer
 from kfac.layers.modules import ModuleHelper
-from kfac.layers.options import KFAC_APPROXIMATIONS
 from kfac.layers.options import ModuleOptions
-from kfac.layers.options import check_module_options
 from kfac.layers.register import Registration
-from kfac.layers.register import compile_patterns
 from kfac.layers.register import register_model
 from kfac.layers.statistics import DEFAULT_LOSS_AVERAGE
 from kfac.layers.statistics import LossAverage
-from kfac.layers.statistics import resolve_loss_average
 from kfac.placement import factor_cost
-from kfac.placement import parse_grad_worker_fraction
 from kfac.report import describe_registration
 from kfac.report import format_report
-from kfac.validation import check_bool
-from kfac.validation import check_choice
-from kfac.validation import check_dtype
 from kfac.validation import check_instance
-from kfac.validation import validate_float
-from kfac.validation import validate_int
+
+__all__ = ['FractionLike', 'KFACConfig', 'KFACPreconditioner']
 
 logger = logging.getLogger(__name__)
-
-FractionLike = float | DistributedStrategy | str
-"""A gradient worker fraction in (0, 1], a
-[`DistributedStrategy`][kfac.enums.DistributedStrategy], or its name."""
-
-
-@dataclasses.dataclass(frozen=True)
-class KFACConfig:
-    """The non-schedulable options of a K-FAC preconditioner, validated.
-
-    See [`KFACPreconditioner`][kfac.preconditioner.KFACPreconditioner] for
-    each field's meaning. Fields take what the preconditioner's keyword
-    arguments take and hold it normalised once constructed: enum names
-    become [`ComputeMethod`][kfac.enums.ComputeMethod] and
-    [`AssignmentStrategy`][kfac.enums.AssignmentStrategy] members, a
-    numeric `grad_worker_fraction` a `float` (a strategy name a
-    [`DistributedStrategy`][kfac.enums.DistributedStrategy]),
-    `allreduce_bucket_cap_mb` a `float` and `skip_layers` a tuple of
-    patterns.
-
-    Raises:
-        TypeError: a field has the wrong type.
-        ValueError: a field has a disallowed value, or EIGEN's
-            `compute_eigenvalue_outer_product` is asked for without
-            `colocate_factors`.
-
-    Examples:
-        >>> KFACConfig(compute_method='Inverse').compute_method
-        <ComputeMethod.INVERSE: 'inverse'>
-
-    """
-
-    accumulation_steps: int = 1
-    allreduce_bucket_cap_mb: float = 25.0
-    assignment_strategy: AssignmentStrategy | str = AssignmentStrategy.COMPUTE
-    colocate_factors: bool = True
-    compute_method: ComputeMethod | str = ComputeMethod.EIGEN
-    compute_eigenvalue_outer_product: bool = True
-    grad_worker_fraction: FractionLike = DistributedStrategy.COMM_OPT
-    symmetry_aware: bool = False
-    factor_dtype: torch.dtype | None = None
-    inv_dtype: torch.dtype | None = None
-    skip_layers: str | Iterable[str] | None = ()
-    update_factors_in_hook: bool = True
-    loglevel: int = logging.DEBUG
-    loss_average: LossAverage = DEFAULT_LOSS_AVERAGE
-    loss_reduction: str | None = None
-    batch_first: bool = True
-    kfac_approx: str = 'expand'
-    module_options: Mapping[str, Mapping[str, Any]] | None = None
-
-    def __post_init__(self) -> None:
-        checked = {
-            'accumulation_steps': validate_int(
-                'accumulation_steps',
-                self.accumulation_steps,
-            ),
-            'allreduce_bucket_cap_mb': validate_float(
-                'allreduce_bucket_cap_mb',
-                self.allreduce_bucket_cap_mb,
-                low=0.0,
-                low_open=False,
-            ),
-            'assignment_strategy': parse_enum(
-                AssignmentStrategy,
-                self.assignment_strategy,
-                'assignment_strategy',
-            ),
-            'compute_method': parse_enum(
-                ComputeMethod,
-                self.compute_method,
-                'compute_method',
-            ),
-            'grad_worker_fraction': parse_grad_worker_fraction(
-                self.grad_worker_fraction
-            ),
-            'factor_dtype': check_dtype('factor_dtype', self.factor_dtype),
-            'inv_dtype': check_dtype('inv_dtype', self.inv_dtype),
-            'skip_layers': tuple(compile_patterns(self.skip_layers)),
-            'loglevel': validate_int('loglevel', self.loglevel, minimum=0),
-            'loss_average': resolve_loss_average(
-                self.loss_average, self.loss_reduction
-            ),
-            'loss_reduction': None,
-            'kfac_approx': check_choice(
-                'kfac_approx', self.kfac_approx, KFAC_APPROXIMATIONS
-            ),
-            'module_options': {
-                pattern: dict(options)
-                for pattern, options in check_module_options(
-                    self.module_options
-                )
-            },
-        }
-        for name in (
-            'colocate_factors',
-            'compute_eigenvalue_outer_product',
-            'symmetry_aware',
-            'update_factors_in_hook',
-            'batch_first',
-        ):
-            checked[name] = check_bool(name, getattr(self, name))
-        for name, value in checked.items():
-            object.__setattr__(self, name, value)
-        if (
-            self.compute_method is ComputeMethod.EIGEN
-            and self.compute_eigenvalue_outer_product
-            and not self.colocate_factors
-        ):
-            raise ValueError(
-                'compute_eigenvalue_outer_product=True needs '
-                'colocate_factors=True (both eigendecompositions on one rank)',
-            )
 
 
 def _unwrap(model: nn.Module) -> nn.Module:
@@ -198,7 +77,7 @@ class KFACPreconditioner(BaseKFACPreconditioner):
     without `torch.distributed` and, initialised, with a DDP-wrapped model
     on any number of ranks. The options are validated by
     [`Hyperparameters`][kfac.hyperparams.Hyperparameters] (the schedulable
-    ones) and [`KFACConfig`][kfac.preconditioner.KFACConfig] (the others),
+    ones) and [`KFACConfig`][kfac.config.KFACConfig] (the others),
     which `config` holds.
 
     Args:
