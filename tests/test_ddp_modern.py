@@ -24,7 +24,8 @@ from torch import nn
 
 from kfac.preconditioner import KFACPreconditioner
 from testing.asserts import WORST
-from testing.asserts import relative_error
+from testing.ddp import compare_ranks
+from testing.ddp import flat_params
 from testing.distributed import run_distributed
 
 GLOBAL_BATCH = 12  # divisible by 1, 2, 3 and 4
@@ -97,10 +98,6 @@ def _fresh() -> nn.Module:
     return SmallLM().double()
 
 
-def _flat(model: nn.Module) -> torch.Tensor:
-    return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
-
-
 def _body(world: int, out_dir: str) -> None:
     rank = dist.get_rank()
     expected = torch.load(pathlib.Path(out_dir) / 'expected.pt')
@@ -108,11 +105,7 @@ def _body(world: int, out_dir: str) -> None:
     for index, config in enumerate(CONFIGS):
         model = _fresh()
         _train(model, config, rank, world)
-        params = _flat(model)
-        gathered = [torch.empty_like(params) for _ in range(world)]
-        dist.all_gather(gathered, params)
-        across = max(relative_error(g, params) for g in gathered)
-        versus = relative_error(params, expected[index])
+        across, versus = compare_ranks(model, expected[index])
         results.append((across, versus))
         assert across < 1e-12, (config, across)
         assert versus < 1e-9, (config, versus)
@@ -131,7 +124,7 @@ def test_small_language_model_ddp_equals_one_process(
     for config in CONFIGS:
         model = _fresh()
         _train(model, config, 0, 1)
-        expected.append(_flat(model))
+        expected.append(flat_params(model))
     torch.save(expected, tmp_path / 'expected.pt')
     precon = KFACPreconditioner(_fresh())
     assert {'attn.q_proj', 'attn.out_proj', 'conv', 'mlp'} <= set(

@@ -31,7 +31,8 @@ from kfac.assignment import valid_grad_worker_fractions
 from kfac.enums import DistributedStrategy
 from kfac.preconditioner import KFACPreconditioner
 from testing.asserts import WORST
-from testing.asserts import relative_error
+from testing.ddp import compare_ranks
+from testing.ddp import flat_params
 from testing.distributed import run_distributed
 from testing.models import TinyCNN
 from testing.models import classification_data
@@ -116,10 +117,6 @@ def fresh_model(device: torch.device) -> nn.Module:
     return TinyCNN().to(device, torch.float64)
 
 
-def flat_params(model: nn.Module) -> torch.Tensor:
-    return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
-
-
 def ddp_body(world_size: int, out_dir: str, device_type: str) -> None:
     rank = dist.get_rank()
     device = rank_device(device_type, rank)
@@ -130,11 +127,7 @@ def ddp_body(world_size: int, out_dir: str, device_type: str) -> None:
     for index, config in enumerate(configurations(world_size)):
         model = fresh_model(device)
         train(model, config, rank, world_size)
-        params = flat_params(model)
-        gathered = [torch.empty_like(params) for _ in range(world_size)]
-        dist.all_gather(gathered, params)
-        across = max(relative_error(g, params) for g in gathered)
-        versus = relative_error(params, expected[index])
+        across, versus = compare_ranks(model, expected[index])
         results[json.dumps(config)] = (across, versus)
         assert across < 1e-12, (config, across)
         assert versus < 1e-9, (config, versus)

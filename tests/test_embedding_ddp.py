@@ -26,7 +26,8 @@ from torch import nn
 from kfac.assignment import valid_grad_worker_fractions
 from kfac.preconditioner import KFACPreconditioner
 from testing.asserts import WORST
-from testing.asserts import relative_error
+from testing.ddp import compare_ranks
+from testing.ddp import flat_params
 from testing.distributed import run_distributed
 
 GLOBAL_BATCH = 6  # divisible by 1, 2 and 3
@@ -103,10 +104,6 @@ def train(
         optimizer.step()
 
 
-def flat_params(model: nn.Module) -> torch.Tensor:
-    return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
-
-
 def ddp_body(world_size: int, out_dir: str) -> None:
     rank = dist.get_rank()
     expected = torch.load(pathlib.Path(out_dir) / 'expected.pt')
@@ -114,11 +111,7 @@ def ddp_body(world_size: int, out_dir: str) -> None:
     for index, config in enumerate(configurations(world_size)):
         model = fresh_model()
         train(model, config, rank, world_size)
-        params = flat_params(model)
-        gathered = [torch.empty_like(params) for _ in range(world_size)]
-        dist.all_gather(gathered, params)
-        across = max(relative_error(g, params) for g in gathered)
-        versus = relative_error(params, expected[index])
+        across, versus = compare_ranks(model, expected[index])
         results[json.dumps(config)] = (across, versus)
         assert across < 1e-12, (config, across)
         assert versus < 1e-9, (config, versus)
