@@ -90,13 +90,7 @@ def check_module_options(value: object) -> Overrides:
     for pattern, options in value.items():
         if not isinstance(pattern, str):
             raise type_error('module_options pattern', pattern, 'a str')
-        try:
-            re.compile(pattern)
-        except re.error as err:
-            raise ValueError(
-                f'module_options pattern {pattern!r} is not a valid regular '
-                f'expression: {err}',
-            ) from None
+        check_pattern('module_options', pattern)
         if not isinstance(options, Mapping):
             raise type_error(
                 f'module_options[{pattern!r}]',
@@ -115,7 +109,27 @@ def check_module_options(value: object) -> Overrides:
     return tuple(checked)
 
 
-def _selects(pattern: str, name: str, module: nn.Module) -> bool:
+def check_pattern(argument: str, pattern: str) -> None:
+    """Raise `ValueError` unless `pattern` is a valid regular expression.
+
+    Args:
+        argument: the argument it belongs to, named in the message.
+        pattern: the regular expression.
+    """
+    try:
+        re.compile(pattern)
+    except re.error as err:
+        raise ValueError(
+            f'{argument} pattern {pattern!r} is not a valid regular '
+            f'expression: {err}',
+        ) from None
+
+
+def selects(pattern: str, name: str, module: nn.Module) -> bool:
+    """Whether `pattern` selects a module: found (`re.search`) in its
+    dotted name or in its class name (`skip_layers` and `module_options`
+    alike).
+    """
     return bool(
         re.search(pattern, name) or re.search(pattern, type(module).__name__)
     )
@@ -164,7 +178,7 @@ def resolve_options(
     if inherited is not None:
         values['batch_first'], sources['batch_first'] = inherited
     for pattern, options in overrides:
-        if _selects(pattern, name, module):
+        if selects(pattern, name, module):
             for option, setting in options.items():
                 values[option] = setting
                 sources[option] = f'module_options[{pattern!r}]'

@@ -8,7 +8,6 @@ types (subclasses included) to their
 from __future__ import annotations
 
 import dataclasses
-import re
 from collections.abc import Iterable
 from collections.abc import Mapping
 
@@ -24,7 +23,9 @@ from kfac.layers.modules import LinearModuleHelper
 from kfac.layers.modules import ModuleHelper
 from kfac.layers.options import ModuleOptions
 from kfac.layers.options import check_module_options
+from kfac.layers.options import check_pattern
 from kfac.layers.options import resolve_options
+from kfac.layers.options import selects
 
 KNOWN_MODULES: dict[type[nn.Module], type[ModuleHelper]] = {
     nn.Linear: LinearModuleHelper,
@@ -81,19 +82,8 @@ def compile_patterns(skip_layers: str | Iterable[str] | None) -> list[str]:
             raise TypeError(
                 f'skip_layers entries must be strings; got {pattern!r}',
             )
-        try:
-            re.compile(pattern)
-        except re.error as err:
-            raise ValueError(
-                f'skip_layers pattern {pattern!r} is not a valid regular '
-                f'expression: {err}',
-            ) from None
+        check_pattern('skip_layers', pattern)
     return result
-
-
-def _skipped(name: str, module: nn.Module, patterns: list[str]) -> bool:
-    cls = type(module).__name__
-    return any(re.search(p, name) or re.search(p, cls) for p in patterns)
 
 
 _SEPARATE_WEIGHTS = ('q_proj_weight', 'k_proj_weight', 'v_proj_weight')
@@ -178,7 +168,7 @@ def _reason(
     parent = _functional_parent(modules, name)
     if parent is not None:
         return f'called functionally by its parent {parent}'
-    matched = [p for p in patterns if _skipped(name, module, [p])]
+    matched = [p for p in patterns if selects(p, name, module)]
     if matched:
         return f'skipped by the skip_layers pattern {matched[0]!r}'
     helper = get_module_helper(module)
