@@ -70,7 +70,7 @@ def _make_layer(helper: ModuleHelper, config: KFACConfig) -> KFACBaseLayer:
 
 
 class KFACPreconditioner(BaseKFACPreconditioner):
-    """K-FAC preconditioning of a model's Linear and Conv2d layers (KAISA).
+    """K-FAC preconditioning of a model's layers (KAISA).
 
     Call [`step`][kfac.base_preconditioner.BaseKFACPreconditioner.step]
     between `loss.backward()` and `optimizer.step()`. Works on one process
@@ -260,8 +260,9 @@ class KFACPreconditioner(BaseKFACPreconditioner):
         if not registration.helpers:
             raise ValueError(
                 'model has no module K-FAC can precondition: it needs an '
-                'nn.Linear or nn.Conv2d (groups=1) whose weight requires '
-                'grad and that skip_layers does not exclude',
+                'nn.Linear, a convolution, an nn.Embedding or an attention '
+                'module whose weight requires grad and that skip_layers '
+                'does not exclude (see describe() for the reasons)',
             )
         return registration
 

@@ -54,6 +54,10 @@ def test_report_lists_every_module_with_parameters(
         'attn.k_proj',
         'attn.v_proj',
         'conv1d',
+        'depthwise.group0',
+        'depthwise.group1',
+        'depthwise.group2',
+        'depthwise.group3',
         'fc',
     ]
     assert [e['name'] for e in report['preconditioned']] == names
@@ -65,7 +69,6 @@ def test_report_lists_every_module_with_parameters(
     assert reasons == {
         'embed': 'embedding with max_norm=1.0 (rows renormalised in the '
         'forward pass)',
-        'depthwise': 'grouped convolution (groups=4)',
         'norm': 'unsupported type (trained with the plain gradient)',
         'frozen': 'frozen at construction (weight.requires_grad is False)',
         'skipped': "skipped by the skip_layers pattern 'skip'",
@@ -78,13 +81,13 @@ def test_report_lists_every_module_with_parameters(
     }
     covered = {
         f'{name}.{p}'
-        for name in ('attn.out_proj', 'conv1d', 'fc')
+        for name in ('attn.out_proj', 'conv1d', 'depthwise', 'fc')
         for p in ('weight', 'bias')
     } | {'attn.in_proj_weight', 'attn.in_proj_bias'}
     assert named | covered == set(dict(model.named_parameters()))
     info = [r for r in caplog.records if r.levelno == logging.INFO]
     assert len(info) == 1  # one message, whatever loglevel says
-    assert 'K-FAC preconditions 6 modules' in info[0].getMessage()
+    assert 'K-FAC preconditions 10 modules' in info[0].getMessage()
     assert 'embed (Embedding; weight): embedding with max_norm' in (
         info[0].getMessage()
     )

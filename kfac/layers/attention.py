@@ -31,6 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kfac.layers.modules import LinearModuleHelper
+from kfac.layers.modules import write_rows
 
 _NAMES = ('q_proj', 'k_proj', 'v_proj')
 _SEPARATE = ('q_proj_weight', 'k_proj_weight', 'v_proj_weight')
@@ -277,23 +278,7 @@ class AttentionProjectionHelper(LinearModuleHelper):
         scale: torch.Tensor | None = None,
     ) -> None:
         weight_part = grad if self.bias is None else grad[:, :-1]
-        _write_rows(self.weight, self.rows, weight_part, scale)
+        write_rows(self.weight, self.rows, weight_part, scale)
         bias = self.bias
         if bias is not None:
-            _write_rows(bias, self._bias_rows(), grad[:, -1], scale)
-
-
-def _write_rows(
-    param: torch.Tensor,
-    rows: slice,
-    value: torch.Tensor,
-    scale: torch.Tensor | None,
-) -> None:
-    """`param.grad[rows] = scale · value` (a `.grad` of zeros if none)."""
-    if param.grad is None:
-        param.grad = torch.zeros_like(param)
-    target = param.grad[rows]
-    if scale is None:
-        target.copy_(value)
-    else:
-        torch.mul(value, scale, out=target)
+            write_rows(bias, self._bias_rows(), grad[:, -1], scale)

@@ -20,6 +20,7 @@ from torch import nn
 
 from kfac.layers.modules import PATCH_BLOCK_ELEMENTS
 from kfac.layers.modules import ModuleHelper
+from kfac.layers.modules import write_rows
 
 _CONVOLUTIONS = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
 
@@ -144,6 +145,102 @@ class ConvModuleHelper(ModuleHelper):
 
     def positions(self, tensor: torch.Tensor) -> int:  # noqa: D102
         return math.prod(self._batched(tensor).shape[2:])
+
+
+class ConvGroupHelper(ConvModuleHelper):
+    """One group of a grouped (or depthwise) convolution, preconditioned as
+    a convolution of its own.
+
+    A convolution with `groups = g` is `g` independent convolutions, each
+    from `C/g` input channels to `out/g` output channels; K-FAC gives each
+    its own `A` and `G` (block-diagonal factors, one block per group).
+
+    Args:
+        module: the convolution.
+        group: which group, in `[0, groups)`.
+
+    Raises:
+        TypeError: `module` is not a 1-, 2- or 3-D convolution.
+        ValueError: `group` is not one of its groups.
+    """
+
+    def __init__(self, module: nn.Module, group: int) -> None:
+        if not isinstance(module, _CONVOLUTIONS):
+            raise TypeError(
+                'ConvGroupHelper needs an nn.Conv1d, nn.Conv2d or '
+                f'nn.Conv3d; got {type(module).__name__}',
+            )
+        if not 0 <= group < module.groups:
+            raise ValueError(
+                f'group must be in [0, {module.groups}); got {group}'
+            )
+        ModuleHelper.__init__(self, module)
+        self.spatial = len(module.kernel_size)
+        self.group = group
+        """The group this helper preconditions."""
+        self._in = module.in_channels // module.groups
+        self._out = module.out_channels // module.groups
+
+    @property
+    def rows(self) -> slice:
+        """The output channels (rows of the weight and bias) of the group."""
+        return slice(self.group * self._out, (self.group + 1) * self._out)
+
+    @property
+    def g_factor_shape(self) -> tuple[int, int]:
+        """`(out/g, out/g)`."""
+        return (self._out, self._out)
+
+    def _channels(self, tensor: torch.Tensor, width: int) -> torch.Tensor:
+        start = self.group * width
+        return self._batched(tensor)[:, start : start + width]
+
+    def a_columns(  # noqa: D102
+        self,
+        layer_input: torch.Tensor,
+        dtype: torch.dtype,
+    ) -> Iterator[torch.Tensor]:
+        yield from super().a_columns(
+            self._channels(layer_input, self._in), dtype
+        )
+
+    def g_columns(  # noqa: D102
+        self,
+        grad_output: torch.Tensor,
+        dtype: torch.dtype,
+        scale: float,
+    ) -> torch.Tensor:
+        grad = self._channels(grad_output, self._out)
+        return super().g_columns(grad, dtype, scale)
+
+    def get_grad(self) -> torch.Tensor | None:  # noqa: D102
+        wgrad = self.weight.grad
+        if wgrad is None:
+            return None
+        v = wgrad[self.rows].reshape(self._out, -1)
+        bias = self.bias
+        if bias is not None:
+            part = bias.grad
+            column = (
+                torch.zeros_like(v[:, 0]) if part is None else part[self.rows]
+            )
+            v = torch.cat([v, column[:, None]], dim=1)
+        return v
+
+    def set_grad(  # noqa: D102
+        self,
+        grad: torch.Tensor,
+        scale: torch.Tensor | None = None,
+    ) -> None:
+        rows = self.rows
+        weight = self.weight
+        weight_part = grad if self.bias is None else grad[:, :-1]
+        write_rows(
+            weight, rows, weight_part.reshape(weight[rows].shape), scale
+        )
+        bias = self.bias
+        if bias is not None:
+            write_rows(bias, rows, grad[:, -1], scale)
 
 
 Conv2dModuleHelper = ConvModuleHelper

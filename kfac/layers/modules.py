@@ -254,6 +254,22 @@ def _write(
         target.copy_(new)
 
 
+def write_rows(
+    param: torch.Tensor,
+    rows: slice,
+    value: torch.Tensor,
+    scale: torch.Tensor | None,
+) -> None:
+    """`param.grad[rows] = scale · value` (a `.grad` of zeros if none)."""
+    if param.grad is None:
+        param.grad = torch.zeros_like(param)
+    target = param.grad[rows]
+    if scale is None:
+        target.copy_(value)
+    else:
+        torch.mul(value, scale, out=target)
+
+
 class LinearModuleHelper(ModuleHelper):
     """Helper for `torch.nn.Linear` on inputs of any rank.
 
@@ -314,4 +330,5 @@ __all__ = [
     'ConvModuleHelper',
     'LinearModuleHelper',
     'ModuleHelper',
+    'write_rows',
 ]

@@ -16,6 +16,7 @@ from torch import nn
 from kfac.layers.attention import AttentionProjection
 from kfac.layers.attention import AttentionProjectionHelper
 from kfac.layers.attention import KFACMultiheadAttention
+from kfac.layers.conv import ConvGroupHelper
 from kfac.layers.conv import ConvModuleHelper
 from kfac.layers.embedding import EmbeddingModuleHelper
 from kfac.layers.embedding import unsupported_reason
@@ -43,9 +44,9 @@ _CONVOLUTIONS = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
 def get_module_helper(module: nn.Module) -> ModuleHelper | None:
     """Return the helper for `module`, or None if it is not supported.
 
-    A convolution with `groups > 1` is not supported: K-FAC would need one
-    pair of factors per group. It is left to the optimizer unpreconditioned,
-    and the registration report lists it. So is an embedding with an
+    A convolution with `groups > 1` has one helper per group
+    ([`ConvGroupHelper`][kfac.layers.conv.ConvGroupHelper]), made by
+    registration; here it gets None. So does an embedding with an
     option K-FAC does not support (see
     [`unsupported_reason`][kfac.layers.embedding.unsupported_reason]).
     """
@@ -159,8 +160,6 @@ def _reason(
         return 'attention key/value biases (add_bias_kv): plain gradient'
     if not any(isinstance(module, kind) for kind in KNOWN_MODULES):
         return 'unsupported type (trained with the plain gradient)'
-    if isinstance(module, _CONVOLUTIONS) and module.groups != 1:
-        return f'grouped convolution (groups={module.groups})'
     if isinstance(module, nn.Embedding) and (
         embedding := unsupported_reason(module)
     ):
@@ -172,7 +171,9 @@ def _reason(
     if matched:
         return f'skipped by the skip_layers pattern {matched[0]!r}'
     helper = get_module_helper(module)
-    weight = None if helper is None else helper.weight
+    weight = (
+        getattr(module, 'weight', None) if helper is None else helper.weight
+    )
     if not (isinstance(weight, nn.Parameter) and weight.requires_grad):
         return 'frozen at construction (weight.requires_grad is False)'
     return None
@@ -220,16 +221,15 @@ def register_model(
     for name, module in modules.items():
         reason = _reason(modules, name, module, patterns)
         if reason is None:
-            helper = get_module_helper(module)
-            assert helper is not None  # _reason checked the type
-            options[name], sources[name] = resolve_options(
-                modules, name, defaults, overrides
-            )
-            if isinstance(helper, EmbeddingModuleHelper):
-                _embeddings_expand(options, sources, name)
-            helper.batch_first = options[name].batch_first
-            helper.kfac_approx = options[name].kfac_approx
-            helpers[name] = helper
+            for key, helper in _helpers(name, module):
+                options[key], sources[key] = resolve_options(
+                    modules, name, defaults, overrides
+                )
+                if isinstance(helper, EmbeddingModuleHelper):
+                    _embeddings_expand(options, sources, key)
+                helper.batch_first = options[key].batch_first
+                helper.kfac_approx = options[key].kfac_approx
+                helpers[key] = helper
             continue
         own = _own_parameters(module)
         if own:
@@ -239,6 +239,20 @@ def register_model(
     options = {n: options[n] for n in helpers}
     sources = {n: sources[n] for n in helpers}
     return Registration(helpers, options, sources, tuple(skipped), aliases)
+
+
+def _helpers(name: str, module: nn.Module) -> list[tuple[str, ModuleHelper]]:
+    """The layers of a supported module: one, or one per group of a grouped
+    convolution (`<name>.group<j>`).
+    """
+    if isinstance(module, _CONVOLUTIONS) and module.groups != 1:
+        return [
+            (f'{name}.group{j}', ConvGroupHelper(module, j))
+            for j in range(module.groups)
+        ]
+    helper = get_module_helper(module)
+    assert helper is not None  # _reason checked the type
+    return [(name, helper)]
 
 
 def _embeddings_expand(

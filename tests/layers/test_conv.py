@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 from typing import Any
+from typing import cast
 
 import pytest
 import torch
@@ -141,3 +142,100 @@ def test_helper_refuses_what_it_cannot_precondition() -> None:
     with pytest.raises(ValueError, match='supports groups=1 only'):
         Conv2dModuleHelper(nn.Conv2d(4, 4, 3, groups=2))
     assert Conv2dModuleHelper is ConvModuleHelper
+
+
+class _Split(nn.Module):
+    """A grouped convolution written as one convolution per group."""
+
+    def __init__(self, grouped: nn.Conv1d | nn.Conv2d) -> None:
+        super().__init__()
+        groups = grouped.groups
+        out = grouped.out_channels // groups
+        self.width = grouped.in_channels // groups
+        kind = type(grouped)
+        self.parts = nn.ModuleList(
+            kind(
+                self.width,
+                out,
+                grouped.kernel_size,  # type: ignore[arg-type]
+                stride=grouped.stride,  # type: ignore[arg-type]
+                padding=grouped.padding,  # type: ignore[arg-type]
+                bias=grouped.bias is not None,
+            ).double()
+            for _ in range(groups)
+        )
+        with torch.no_grad():
+            for j, part in enumerate(self.convs):
+                part.weight.copy_(grouped.weight[j * out : (j + 1) * out])
+                if part.bias is not None and grouped.bias is not None:
+                    part.bias.copy_(grouped.bias[j * out : (j + 1) * out])
+
+    @property
+    def convs(self) -> list[nn.Conv1d | nn.Conv2d]:
+        return [cast(nn.Conv1d | nn.Conv2d, part) for part in self.parts]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        w = self.width
+        return torch.cat(
+            [p(x[:, j * w : (j + 1) * w]) for j, p in enumerate(self.parts)],
+            dim=1,
+        )
+
+
+@pytest.mark.parametrize(
+    'grouped',
+    [
+        lambda: nn.Conv2d(4, 6, 3, groups=2, padding=1),
+        lambda: nn.Conv1d(3, 3, 3, groups=3, bias=False),  # depthwise
+    ],
+    ids=['grouped-2d', 'depthwise-1d'],
+)
+def test_grouped_convolution_preconditions_like_one_per_group(
+    grouped: Any,
+) -> None:
+    """Block-diagonal factors: each group is a convolution of its own."""
+    torch.manual_seed(0)
+    conv = grouped().double()
+    split = _Split(conv)
+    precon = KFACPreconditioner(conv, kl_clip=None)
+    reference = KFACPreconditioner(split, kl_clip=None)
+    # the root module's groups: '' + '.group<j>'
+    assert list(precon.layers) == [f'.group{j}' for j in range(conv.groups)]
+    shape = (
+        (5, conv.in_channels, 6, 6) if conv.weight.dim() == 4 else (5, 3, 9)
+    )
+    for step in range(2):
+        x = torch.randn(
+            *shape, dtype=F64, generator=torch.Generator().manual_seed(step)
+        )
+        for model, kfac in ((conv, precon), (split, reference)):
+            model.zero_grad()
+            model(x).tanh().sum().backward()
+            kfac.step()
+    for j, layer in enumerate(precon.layers.values()):
+        for mine, theirs in zip(
+            layer.factors, reference.layers[f'parts.{j}'].factors
+        ):
+            assert mine.value is not None and theirs.value is not None
+            assert_rel_close(
+                mine.value, theirs.value, rtol=1e-12, label='groups'
+            )
+    out = conv.out_channels // conv.groups
+    assert conv.weight.grad is not None
+    for j, part in enumerate(split.convs):
+        rows = slice(j * out, (j + 1) * out)
+        assert part.weight.grad is not None
+        assert_rel_close(
+            conv.weight.grad[rows],
+            part.weight.grad,
+            rtol=1e-10,
+            label='groups',
+        )
+        if conv.bias is not None and part.bias is not None:
+            assert conv.bias.grad is not None and part.bias.grad is not None
+            assert_rel_close(
+                conv.bias.grad[rows],
+                part.bias.grad,
+                rtol=1e-10,
+                label='groups',
+            )

@@ -55,15 +55,12 @@ def test_modules_without_trainable_weight_are_skipped() -> None:
     assert list(register_modules(m)) == ['0', '2.1']
 
 
-def test_grouped_convolution_is_left_alone_and_reported() -> None:
+def test_grouped_convolution_has_one_layer_per_group() -> None:
     m = nn.Sequential(nn.Conv2d(4, 4, 3, groups=2), nn.Conv2d(4, 2, 1))
     registration = register_model(m)
-    assert list(registration.helpers) == ['1']
-    assert [(s.name, s.reason) for s in registration.skipped] == [
-        ('0', 'grouped convolution (groups=2)'),
-    ]
+    assert list(registration.helpers) == ['0.group0', '0.group1', '1']
+    assert registration.skipped == ()
     assert get_module_helper(nn.Conv2d(4, 4, 3, groups=4)) is None
-    assert get_module_helper(nn.ReLU()) is None
 
 
 def test_attention_projection_is_not_registered() -> None:
