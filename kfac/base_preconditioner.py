@@ -184,8 +184,9 @@ class BaseKFACPreconditioner(EngineState):
         return self._steps % values.factor_update_steps == 0
 
     def _on_captured(self, name: str) -> None:
-        if name not in self._finished:
-            self._finish_factors(name, self._layers[name])
+        # Capture reports a layer once per step: its tally and our set of
+        # finished layers are reset together at every factor update.
+        self._finish_factors(name, self._layers[name])
 
     # The step --------------------------------------------------------------
 

@@ -409,3 +409,23 @@ def test_model_converted_after_construction_is_followed() -> None:
         mine = _factors(precon)[key]
         assert mine.dtype == F64
         torch.testing.assert_close(mine, value, rtol=1e-5, atol=1e-7)
+
+
+def test_more_backward_passes_than_accumulation_steps_are_ignored(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    torch.manual_seed(0)
+    model = TinyMLP().double()
+    twin = copy.deepcopy(model)
+    precon = KFACPreconditioner(model)
+    reference = KFACPreconditioner(twin)
+    x, y = classification_data(8, (6,))
+    with caplog.at_level(logging.WARNING, logger='kfac'):
+        F.cross_entropy(model(x), y).backward()
+        F.cross_entropy(model(x * 2), y).backward()  # one pass too many
+        precon.step()
+    F.cross_entropy(twin(x), y).backward()
+    reference.step()
+    assert 'got more backward passes than accumulation_steps' in caplog.text
+    for key, value in _factors(reference).items():
+        assert torch.equal(_factors(precon)[key], value), key

@@ -104,6 +104,8 @@ def test_freezing_and_unfreezing_after_construction_are_reported(
     model = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 2))
     model = model.double()
     model[2].requires_grad_(False)
+    stays = nn.Linear(2, 2).double().requires_grad_(False)
+    model.append(stays)  # frozen at construction and after
     precon = KFACPreconditioner(model)
     x = torch.randn(6, 4, dtype=F64)
     y = torch.randint(0, 2, (6,))
@@ -116,6 +118,7 @@ def test_freezing_and_unfreezing_after_construction_are_reported(
     text = caplog.text
     assert text.count('module 0 was frozen after the preconditioner') == 1
     assert text.count('module 2 was frozen when the preconditioner') == 1
+    assert 'module 3 was frozen' not in text
     assert 'did not run forward and backward' not in text
     assert precon.layers['0'].captures == (0, 0)
     assert not precon.layers['0'].has_factors

@@ -147,9 +147,9 @@ def _inherited_layout(
             continue
         # Transformer*Layer keep the layout in their attention module.
         holder = getattr(owner, 'self_attn', owner)
-        layout = getattr(holder, 'batch_first', None)
-        if isinstance(layout, bool):
-            return layout, f'inherited from {ancestor or "<root>"}'
+        return bool(
+            holder.batch_first
+        ), f'inherited from {ancestor or "<root>"}'
     return None
 
 

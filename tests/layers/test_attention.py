@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 from typing import Any
+from typing import cast
 
 import pytest
 import torch
@@ -212,3 +213,57 @@ def test_helper_checks_its_module() -> None:
     del attention
     with pytest.raises(RuntimeError, match='no longer exists'):
         projection.attention  # noqa: B018
+
+
+def test_separate_projection_weights_without_bias_are_preconditioned() -> None:
+    """`kdim`/`vdim` differ from `E`: q, k and v have weights of their own;
+    without a bias the factors have no bias row.
+    """
+    torch.manual_seed(0)
+    attention = nn.MultiheadAttention(
+        E, HEADS, kdim=5, vdim=3, bias=False, batch_first=True
+    ).double()
+
+    class _Cross(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.attn = attention
+
+        def forward(self, q: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
+            out: torch.Tensor = self.attn(q, kv[..., :5], kv[..., 5:])[0]
+            return out
+
+    model = _Cross()
+    precon = KFACPreconditioner(model, kl_clip=None)
+    q = torch.randn(N, L, E, dtype=F64)
+    kv = torch.randn(N, S, 8, dtype=F64)
+    model(q, kv).tanh().sum().backward()
+    raw = {
+        n: p.grad.clone()  # type: ignore[union-attr]
+        for n, p in attention.named_parameters()
+    }
+    precon.step()
+    shapes = {n: (x.a.dim, x.g.dim) for n, x in precon.layers.items()}
+    assert shapes['attn.k_proj'] == (5, E) and shapes['attn.v_proj'] == (3, E)
+    for name in ('q_proj_weight', 'k_proj_weight', 'v_proj_weight'):
+        grad = getattr(attention, name).grad
+        assert not torch.equal(grad, raw[name])  # preconditioned
+
+
+def test_missing_bias_gradient_reads_as_zeros_and_is_written() -> None:
+    attention = nn.MultiheadAttention(E, HEADS).double()
+    convert_attention(attention)
+    helper = AttentionProjectionHelper(cast(nn.Module, attention.k_proj))
+    assert helper.get_grad() is None  # no backward yet
+    assert repr(attention.k_proj) == 'AttentionProjection(index=1)'
+    attention.in_proj_weight.grad = torch.ones_like(attention.in_proj_weight)
+    v = helper.get_grad()
+    assert v is not None and v.shape == (E, E + 1)
+    assert torch.equal(v[:, -1], torch.zeros(E, dtype=F64))
+    helper.set_grad(2 * v)
+    bias = attention.in_proj_bias
+    assert bias is not None and bias.grad is not None
+    assert torch.equal(bias.grad, torch.zeros(3 * E, dtype=F64))
+    assert torch.equal(
+        attention.in_proj_weight.grad[E : 2 * E], 2 * torch.ones(E, E)
+    )

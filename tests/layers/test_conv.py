@@ -10,6 +10,7 @@ import pytest
 import torch
 from torch import nn
 
+from kfac.layers.conv import ConvGroupHelper
 from kfac.layers.conv import ConvModuleHelper
 from kfac.layers.modules import Conv2dModuleHelper
 from kfac.preconditioner import KFACPreconditioner
@@ -239,3 +240,17 @@ def test_grouped_convolution_preconditions_like_one_per_group(
                 rtol=1e-10,
                 label='groups',
             )
+
+
+def test_group_helper_checks_and_a_missing_bias_gradient() -> None:
+    with pytest.raises(TypeError, match='needs an nn.Conv1d, nn.Conv2d'):
+        ConvGroupHelper(nn.Linear(2, 2), 0)
+    conv = nn.Conv1d(4, 4, 3, groups=2).double()
+    with pytest.raises(ValueError, match=r'group must be in \[0, 2\); got 2'):
+        ConvGroupHelper(conv, 2)
+    helper = ConvGroupHelper(conv, 1)
+    assert helper.get_grad() is None  # no backward yet
+    conv.weight.grad = torch.ones_like(conv.weight)
+    v = helper.get_grad()
+    assert v is not None and v.shape == (2, 2 * 3 + 1)
+    assert torch.equal(v[:, -1], torch.zeros(2, dtype=F64))  # no bias grad

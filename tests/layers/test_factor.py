@@ -94,3 +94,45 @@ def test_non_finite_batch_is_flagged_and_never_reaches_the_value() -> None:
     assert f.value is not None and torch.isfinite(f.value).all()
     f.rollback()
     assert f.value is kept
+
+
+def test_move_takes_every_tensor_along() -> None:
+    """A model converted after construction: the running average, its
+    provisional predecessor, the batch (computed and pending) and the
+    decomposition all follow, in their dtypes.
+    """
+    f = factor()
+    f.capture(batch(0), 1.0, now=True)
+    f.update(0.5)
+    f.commit()
+    f.decomposition = (torch.eye(3, dtype=torch.float32),)
+    f.capture(batch(1), 1.0, now=True)  # a computed batch
+    f.update(0.5)  # provisional: a predecessor is kept
+    f.capture(batch(2), 1.0, now=True)
+    f.capture(batch(3), 1.0, now=False)  # a pending one
+    cpu = torch.device('cpu')
+    f.move(cpu, torch.float64, torch.float64)
+    assert f.dtype == torch.float64
+    assert f.value is not None and f.value.dtype == torch.float64
+    assert f.decomposition is not None
+    assert f.decomposition[0].dtype == torch.float64
+    f.rollback()  # back to the committed value, now float64
+    assert f.value is not None and f.value.dtype == torch.float64
+    assert_rel_close(
+        f.value, mean_outer(batch(0)).double(), rtol=1e-6, label='move'
+    )
+    total = f.batch_sum()  # the computed and the pending batch
+    assert total is not None
+    assert_rel_close(
+        total.double(),
+        (gram(batch(2), 1.0)[0] + gram(batch(3), 1.0)[0]).double(),
+        rtol=1e-6,
+        label='move',
+    )
+
+
+def test_move_of_an_empty_factor_changes_its_dtype_only() -> None:
+    f = factor()
+    f.move(torch.device('cpu'), torch.float32, torch.float32)
+    assert f.value is None and f.decomposition is None
+    assert f.dtype == torch.float32

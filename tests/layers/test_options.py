@@ -49,7 +49,11 @@ def test_resolution_order_and_sources() -> None:
     )
     modules = dict(model.named_modules())
     overrides = check_module_options(
-        {'head|tail': {'batch_first': False}, 'tail': {'batch_first': True}}
+        {
+            'head|tail': {'batch_first': False},
+            'tail': {'batch_first': True},
+            'nothing': {'kfac_approx': 'reduce'},  # selects no module
+        }
     )
     defaults = ModuleOptions(batch_first=True)
     resolved = {

@@ -61,6 +61,7 @@ def test_grouped_convolution_has_one_layer_per_group() -> None:
     assert list(registration.helpers) == ['0.group0', '0.group1', '1']
     assert registration.skipped == ()
     assert get_module_helper(nn.Conv2d(4, 4, 3, groups=4)) is None
+    assert get_module_helper(nn.ReLU()) is None
 
 
 def test_attention_projection_is_not_registered() -> None:
