@@ -18,10 +18,12 @@ here.
 from __future__ import annotations
 
 import abc
+import weakref
 from collections.abc import Callable
 from collections.abc import Mapping
 from typing import TYPE_CHECKING
 from typing import TypeAlias
+from typing import TypeVar
 
 import torch.distributed as dist
 
@@ -110,27 +112,47 @@ class WorkAssignment(abc.ABC):
         """
 
 
-_GROUPS: dict[tuple[int, ...], ProcessGroup | None] = {}
-_GROUPS_WORLD: list[object] = [None]
+_T = TypeVar('_T')
+_GROUPS: dict[tuple[int, ...], Callable[[], ProcessGroup | None]] = {}
+_GROUPS_WORLD: list[Callable[[], ProcessGroup | None]] = [lambda: None]
+
+
+def _reference(value: _T) -> Callable[[], _T | None]:
+    """Return a weak reference to `value`, or a strong one if it takes none.
+
+    The group cache holds process groups weakly: it never keeps a group
+    alive once `torch.distributed` has let it go
+    (`destroy_process_group()`) and no assignment uses it, so the group is
+    freed then rather than during interpreter shutdown. What takes no weak
+    reference (the marker `new_group` returns on ranks outside the group)
+    holds no resources and is kept as it is.
+    """
+    try:
+        return weakref.ref(value)
+    except TypeError:
+        return lambda: value
 
 
 def _shared_group(ranks: list[int]) -> ProcessGroup | None:
     """`new_group(ranks)`, made once per set of ranks and default group.
 
     The whole world is the default group itself; other sets are created
-    once and reused by later assignments (every rank decides the same way,
-    so the collective `new_group` calls still match across ranks).
+    once and reused by later assignments while the group lives (every rank
+    decides the same way, so the collective `new_group` calls still match
+    across ranks). The cache holds the groups weakly (see `_reference`).
     """
     world = dist.group.WORLD
-    if _GROUPS_WORLD[0] is not world:
+    if _GROUPS_WORLD[0]() is not world:
         _GROUPS.clear()
-        _GROUPS_WORLD[0] = world
+        _GROUPS_WORLD[0] = _reference(world)
     key = tuple(ranks)
     if key == tuple(range(dist.get_world_size())):
         return world
-    if key not in _GROUPS:
-        _GROUPS[key] = dist.new_group(ranks)
-    return _GROUPS[key]
+    group = _GROUPS[key]() if key in _GROUPS else None
+    if group is None:
+        group = dist.new_group(ranks)
+        _GROUPS[key] = _reference(group)
+    return group
 
 
 def default_group_func(world_size: int) -> GroupFunc:
@@ -139,8 +161,9 @@ def default_group_func(world_size: int) -> GroupFunc:
     The wrapper is used when `torch.distributed` is available and
     initialised and `world_size > 1`: it returns the default group for all
     ranks and creates every other group once per default group (and reuses
-    it in later assignments); otherwise the function returned makes no
-    group and returns None.
+    it in later assignments while it lives, without keeping it alive
+    itself); otherwise the function returned makes no group and returns
+    None.
     """
     if world_size > 1 and dist.is_available() and dist.is_initialized():
         return _shared_group

@@ -5,7 +5,9 @@ triangle (see [`kfac.packing`][kfac.packing]), or many of them concatenated
 into a bucket. An [`Entry`][kfac.buckets.Entry] records how to turn a
 reduced buffer back into the caller's tensor, and
 [`finish`][kfac.buckets.finish] does it once the collective's future has
-completed.
+completed, in the `wait()` of the handle, on the waiting thread: no Python
+callback is chained to a collective's future (see
+[`kfac.handles`][kfac.handles] for why).
 
 This is the machinery of
 [`TorchDistributedCommunicator`][kfac.distributed.TorchDistributedCommunicator];
@@ -23,6 +25,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from kfac.handles import DeferredHandle
 from kfac.handles import Handle
 from kfac.packing import fill_triu
 from kfac.packing import get_triu
@@ -126,25 +129,23 @@ def then_finish(
     buffer: torch.Tensor,
     entry: Entry,
     size: int,
-) -> torch.futures.Future[torch.Tensor]:
-    """Chain [`finish`][kfac.buckets.finish] of `buffer` after `future`.
+) -> Handle:
+    """Return a handle that waits for `future`, then finishes `buffer`.
 
-    The error of a failed collective is raised by the returned future.
+    [`finish`][kfac.buckets.finish] runs in the handle's first `wait()`,
+    on the waiting thread, not as a callback of `future`. The error of a
+    failed collective is raised by `wait()`.
     """
-
-    def callback(done: torch.futures.Future[Any]) -> torch.Tensor:
-        done.value()  # re-raises the error of a failed collective
-        return finish(buffer, entry, size)
-
-    return future.then(callback)
+    return DeferredHandle(future, lambda: finish(buffer, entry, size))
 
 
 class Bucket:
     """Tensors of one group, dtype and device reduced as one flat buffer.
 
-    Once started, the bucket forgets its group and the future's callback
-    holds only the entries: a process group must not be released by a
-    reference cycle collected on its own worker thread.
+    Once started, the bucket forgets its group and its parts; it keeps the
+    flat buffer and the entries until the first `wait()` splits the
+    reduced buffer into its tensors (on the waiting thread, see
+    [`kfac.handles`][kfac.handles]).
 
     Args:
         group: the process group of the allreduce.
@@ -161,7 +162,9 @@ class Bucket:
         self._record = record
         self._parts: list[torch.Tensor] = []
         self._entries: list[Entry] = []
-        self._future: torch.futures.Future[list[torch.Tensor]] | None = None
+        self._future: torch.futures.Future[Any] | None = None
+        self._flat: torch.Tensor | None = None
+        self._results: list[torch.Tensor] | None = None
 
     @property
     def started(self) -> bool:
@@ -175,7 +178,7 @@ class Bucket:
         self.nbytes += tensor.numel() * tensor.element_size()
         return len(self._entries) - 1
 
-    def start(self) -> torch.futures.Future[list[torch.Tensor]]:
+    def start(self) -> torch.futures.Future[Any]:
         """Start the allreduce unless started; return its future.
 
         A collective: every rank of the group starts its matching bucket at
@@ -189,13 +192,26 @@ class Bucket:
                 self.nbytes,
             )
             self._record('allreduce', flat)
-            future = start_allreduce(flat, self.group)
-            entries, size = self._entries, self.size
-            self._future = future.then(
-                lambda done: unflatten(done, flat, entries, size)
-            )
-            self._parts, self._entries, self.group = [], [], None
+            self._future = start_allreduce(flat, self.group)
+            self._flat = flat
+            self._parts, self.group = [], None
         return self._future
+
+    def wait(self) -> list[torch.Tensor]:
+        """Start the allreduce if pending, wait for it; return the tensors.
+
+        The reduced buffer is split (and averaged, unpacked) by the first
+        call; later calls return the same tensors.
+        """
+        future = self.start()
+        if self._results is None:
+            future.wait()  # raises the error of a failed collective
+            assert self._flat is not None  # set by start()
+            self._results = unflatten(
+                future, self._flat, self._entries, self.size
+            )
+            self._flat, self._entries = None, []
+        return self._results
 
 
 def unflatten(
@@ -238,7 +254,7 @@ class BucketHandle(Handle):
         before `flush()`, every rank of the group must wait on the same
         handles in the same order.
         """
-        return self._bucket.start().wait()[self._index]
+        return self._bucket.wait()[self._index]
 
     def done(self) -> bool:
         """Return whether the bucket has started and completed."""

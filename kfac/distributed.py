@@ -2,9 +2,10 @@
 
 Every collective here is a `torch.distributed` one started with
 `async_op=True`; its `Work` becomes a `torch.futures.Future` through
-`get_future()` and the result is post-processed (averaged, reshaped,
-unpacked) with `Future.then`. A caller gets a
-[`Handle`][kfac.handles.Handle] and reads the result with its `wait()`.
+`get_future()`. A caller gets a [`Handle`][kfac.handles.Handle] whose
+`wait()` waits for the future and post-processes the result (averages,
+reshapes, unpacks it) on the calling thread: nothing is chained to the
+future with `Future.then` (see [`kfac.handles`][kfac.handles] for why).
 
 Without an initialised process group (one process, no `torch.distributed`
 at all), and on a group of one rank, every collective returns a completed
@@ -37,6 +38,7 @@ from __future__ import annotations
 
 import collections
 from typing import TYPE_CHECKING
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -48,6 +50,7 @@ from kfac.buckets import payload
 from kfac.buckets import start_allreduce
 from kfac.buckets import start_broadcast
 from kfac.buckets import then_finish
+from kfac.handles import DeferredHandle
 from kfac.handles import FutureHandle
 from kfac.handles import Handle
 from kfac.handles import completed
@@ -65,6 +68,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     'Communicator',
+    'DeferredHandle',
     'FutureHandle',
     'Handle',
     'NonSquareTensorError',
@@ -159,6 +163,13 @@ class TorchDistributedCommunicator:
     [`reset_stats`][kfac.distributed.TorchDistributedCommunicator.reset_stats]
     zeroes them.
 
+    The communicator keeps the future of each collective it starts, and
+    with it the collective's tensors, until it starts another collective
+    after that one has completed (the last ones until it is freed itself):
+    the process group's worker thread lets go of the tensors just after
+    the future completes and must not be the last to hold them (see
+    [`kfac.handles`][kfac.handles]).
+
     Args:
         bucket_cap_mb: largest bucket of `allreduce_bucketed` in MiB; 0
             disables bucketing.
@@ -183,6 +194,7 @@ class TorchDistributedCommunicator:
         self._bucket_cap_bytes = int(self._bucket_cap_mb * 2**20)
         self._symmetry_aware = check_bool('symmetry_aware', symmetry_aware)
         self._pending: dict[tuple[object, ...], Bucket] = {}
+        self._kept: list[torch.futures.Future[Any]] = []
         self.bytes_communicated: collections.Counter[str] = (
             collections.Counter()
         )
@@ -214,6 +226,11 @@ class TorchDistributedCommunicator:
     def _record(self, kind: str, buffer: torch.Tensor) -> None:
         self.bytes_communicated[kind] += buffer.numel() * buffer.element_size()
         self.collectives_started[kind] += 1
+
+    def _keep(self, future: torch.futures.Future[Any]) -> None:
+        """Keep `future`; let go of those that had completed before."""
+        self._kept = [kept for kept in self._kept if not kept.done()]
+        self._kept.append(future)
 
     def allreduce(
         self,
@@ -258,7 +275,8 @@ class TorchDistributedCommunicator:
         entry = Entry(tensor.shape, buffer.numel(), packed, average)
         self._record('allreduce', buffer)
         future = start_allreduce(buffer, group)
-        return FutureHandle(then_finish(future, buffer, entry, size))
+        self._keep(future)
+        return then_finish(future, buffer, entry, size)
 
     def allreduce_bucketed(
         self,
@@ -325,7 +343,7 @@ class TorchDistributedCommunicator:
         return BucketHandle(bucket, index)
 
     def _start(self, key: tuple[object, ...]) -> None:
-        self._pending.pop(key).start()
+        self._keep(self._pending.pop(key).start())
 
     def flush(self) -> None:
         """Start every pending bucket, in the order they were created.
@@ -385,7 +403,8 @@ class TorchDistributedCommunicator:
         entry = Entry(tensor.shape, buffer.numel(), packed, average=False)
         self._record('broadcast', buffer)
         future = start_broadcast(buffer, src, group)
-        return FutureHandle(then_finish(future, buffer, entry, size))
+        self._keep(future)
+        return then_finish(future, buffer, entry, size)
 
 
 Communicator = TorchDistributedCommunicator

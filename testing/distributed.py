@@ -39,7 +39,6 @@ from __future__ import annotations
 
 import datetime
 import faulthandler
-import gc
 import multiprocessing
 import multiprocessing.connection
 import os
@@ -68,6 +67,8 @@ PEER_FAILURE_GRACE_S = 10.0
 _TERMINATE_GRACE_S = 5.0
 #: Seconds a straggler gets to write its stacks (``SIGUSR1``).
 _DUMP_GRACE_S = 1.0
+#: Seconds a rank pauses after ``fn``, the GIL released, before it exits.
+_DRAIN_S = 0.1
 _LOOPBACK = 'lo0' if sys.platform == 'darwin' else 'lo'
 
 
@@ -104,8 +105,10 @@ def run_distributed(
 
     Each rank is a fresh ``spawn`` process that sets
     ``torch.set_num_threads(1)``, calls ``init_process_group`` (file store in
-    ``tmp_path``, process-group timeout ``timeout``), runs ``fn(*args)`` and
-    destroys the group. ``fn`` reads its rank from ``torch.distributed``.
+    ``tmp_path``, process-group timeout ``timeout``), runs ``fn(*args)``,
+    pauses :data:`_DRAIN_S` seconds with the GIL released (see
+    ``_run_rank``) and destroys the group. ``fn`` reads its rank from
+    ``torch.distributed``.
     Gloo is bound to the loopback interface (``GLOO_SOCKET_IFNAME``, unless
     the environment sets it). With ``'nccl'`` each rank first makes
     ``cuda:<rank>`` its current device, so ``world_size`` must not exceed
@@ -214,11 +217,15 @@ def _run_rank(
     except BaseException:  # noqa: BLE001
         failed = True
         spec.traceback_file(rank).write_text(traceback.format_exc())
-    # Objects of fn caught in reference cycles (a model and the hooks of
-    # its preconditioner) are freed now, while the group is alive: freed at
-    # interpreter exit, gloo's objects aborted the process (SIGABRT) in
-    # about one run in five.
-    gc.collect()
+    # A gloo worker thread drops its references to a collective's tensors
+    # just after the caller's wait returns, and for a tensor Python holds as
+    # well (that of a synchronous dist.all_gather of fn's own, say) it takes
+    # the GIL to do so (torch >= 2.10). A worker still waiting for the GIL
+    # when the interpreter starts shutting down is ended by CPython inside
+    # C++ code that cannot unwind, and the rank aborts (SIGABRT). The pause
+    # lets such a worker have the GIL. K-FAC's own collectives never need
+    # it (kfac.handles; scripts/exit_stress.py runs without any pause).
+    time.sleep(_DRAIN_S)
     if dist.is_initialized():
         dist.destroy_process_group()
     return failed
