@@ -38,6 +38,9 @@ from kfac.layers.base import FACTOR_NAMES
 from kfac.layers.base import KFACBaseLayer
 from kfac.layers.decomposition import decompose_all
 from kfac.math import kl_clip_scale
+from kfac.sharding import GatheredGrads
+from kfac.sharding import gather_grads
+from kfac.sharding import is_sharded
 from kfac.tracing import PhaseTimer
 from kfac.validation import check_bool
 from kfac.validation import check_instance
@@ -215,8 +218,12 @@ class BaseKFACPreconditioner(EngineState):
             self._update_factors()
         if self._steps % values.inv_update_steps == 0:
             self._update_decompositions(values.damping)
-        self._precondition(values.damping)
-        self._apply(values)
+        gathered = self._gather_grads()
+        try:
+            self._precondition(values.damping)
+            self._apply(values)
+        finally:
+            gathered.scatter()
         self._steps += 1
         self._capture.next_step()
 
@@ -324,13 +331,29 @@ class BaseKFACPreconditioner(EngineState):
                     {name: self._layers[name] for name in ready},
                 )
 
-    def _precondition(self, damping: float) -> None:
-        plan = self.assignment
-        active = [
+    def _active(self) -> list[str]:
+        """Layers with a decomposition and a gradient, in layer order."""
+        return [
             name
             for name, layer in self._layers.items()
             if name in self._decomposed and layer.has_grad
         ]
+
+    def _gather_grads(self) -> GatheredGrads:
+        """Assemble the whole gradients of sharded (FSDP2) parameters."""
+        params = [
+            param
+            for name in self._active()
+            for param in self._layers[name].module.parameters()
+        ]
+        if not any(map(is_sharded, params)):
+            return GatheredGrads()
+        with self._phase('grad_gather'):
+            return gather_grads(self.communicator, params)
+
+    def _precondition(self, damping: float) -> None:
+        plan = self.assignment
+        active = self._active()
         with self._phase('precondition'):
             for name in active:
                 layer = self._layers[name]

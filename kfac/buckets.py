@@ -40,6 +40,7 @@ __all__ = [
     'Record',
     'finish',
     'payload',
+    'start_all_gather',
     'start_allreduce',
     'start_broadcast',
     'then_finish',
@@ -121,6 +122,21 @@ def start_broadcast(
     """
     broadcast: Callable[..., dist.Work] = dist.broadcast
     work = broadcast(buffer, src=src, group=group, async_op=True)
+    return work.get_future()
+
+
+def start_all_gather(
+    out: torch.Tensor,
+    buffer: torch.Tensor,
+    group: ProcessGroup,
+) -> torch.futures.Future[Any]:
+    """Start gathering every rank's `buffer` into `out`; return its future.
+
+    Every rank of `group` calls it with buffers of the same shape; `out`
+    holds `size` of them, in rank order.
+    """
+    gather: Callable[..., dist.Work] = dist.all_gather_into_tensor
+    work = gather(out, buffer, group=group, async_op=True)
     return work.get_future()
 
 

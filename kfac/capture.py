@@ -169,6 +169,9 @@ class Capture:
             for name, layer in layers.items()
         }
         self._warn_about_owners()
+        self._weights = {
+            name: layer.module.weight for name, layer in layers.items()
+        }
         self._handles: list[RemovableHandle] = []
         for name, layer in layers.items():
             for module in self._modules[name]:
@@ -299,7 +302,21 @@ class Capture:
         """Whether a backward pass reached a registered weight since the
         last call (always True when no registered weight is trained: there
         is nothing to guard).
+
+        Raises:
+            RuntimeError: a registered module's weight is no longer the
+                parameter it had when the hooks were registered (the model
+                was sharded with `fully_shard`, or `.weight` reassigned,
+                after the preconditioner was built).
         """
+        for name, weight in self._weights.items():
+            if self._layers[name].module.weight is not weight:
+                raise RuntimeError(
+                    f'K-FAC: the weight of module {name} was replaced after '
+                    'the preconditioner was built (by fully_shard, or by '
+                    'assigning .weight); build the preconditioner after '
+                    'the model is sharded or wrapped',
+                )
         fresh, self._fresh = self._fresh, False
         weights = [layer.module.weight for layer in self._layers.values()]
         return fresh or not any(w.requires_grad for w in weights)

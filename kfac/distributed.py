@@ -47,6 +47,7 @@ from kfac.buckets import Bucket
 from kfac.buckets import BucketHandle
 from kfac.buckets import Entry
 from kfac.buckets import payload
+from kfac.buckets import start_all_gather
 from kfac.buckets import start_allreduce
 from kfac.buckets import start_broadcast
 from kfac.buckets import then_finish
@@ -157,9 +158,9 @@ class TorchDistributedCommunicator:
     collective is called by every rank of its group in the same order with
     tensors of the same shape and dtype (see the module docstring).
     `bytes_communicated` and `collectives_started` count, per kind
-    (`'allreduce'`, `'broadcast'`), the payload bytes this rank handed to
-    collectives and how many it started; completed world-size-1 shortcuts
-    are not counted.
+    (`'allreduce'`, `'broadcast'`, `'allgather'`), the payload bytes this
+    rank handed to collectives and how many it started; completed
+    world-size-1 shortcuts are not counted.
     [`reset_stats`][kfac.distributed.TorchDistributedCommunicator.reset_stats]
     zeroes them.
 
@@ -405,6 +406,37 @@ class TorchDistributedCommunicator:
         future = start_broadcast(buffer, src, group)
         self._keep(future)
         return then_finish(future, buffer, entry, size)
+
+    def all_gather_rows(
+        self,
+        local: torch.Tensor,
+        *,
+        rows: int,
+        group: ProcessGroup,
+    ) -> Handle:
+        """Start gathering a tensor split by rows over `group`.
+
+        Rank `i` of `group` holds rows `[i c, min((i + 1) c, rows))` of the
+        whole, with `c = ⌈rows / size⌉` (`torch.chunk`'s split, the one of
+        a DTensor `Shard(0)`: trailing ranks may hold none). Each part is
+        padded to `c` rows, so the collective is an even
+        `all_gather_into_tensor`. `local` is read, never written.
+
+        Returns:
+            A handle to the whole tensor `(rows, *local.shape[1:])`,
+            identical on every rank.
+        """
+        size = _group_size(group)
+        if size == 1:
+            return completed(local)
+        chunk = -(-rows // size)
+        padded = local.new_zeros((chunk, *local.shape[1:]))
+        padded[: local.shape[0]] = local
+        out = local.new_empty((chunk * size, *local.shape[1:]))
+        self._record('allgather', padded)
+        future = start_all_gather(out, padded, group)
+        self._keep(future)
+        return DeferredHandle(future, lambda: out[:rows])
 
 
 Communicator = TorchDistributedCommunicator

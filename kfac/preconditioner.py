@@ -37,6 +37,7 @@ from kfac.layers.statistics import LossAverage
 from kfac.placement import factor_cost
 from kfac.report import describe_registration
 from kfac.report import format_report
+from kfac.sharding import check_model
 from kfac.validation import check_instance
 
 __all__ = ['FractionLike', 'KFACConfig', 'KFACPreconditioner']
@@ -193,6 +194,7 @@ class KFACPreconditioner(BaseKFACPreconditioner):
             kfac_approx=kfac_approx,
             module_options=module_options,
         )
+        check_model(_unwrap(model))
         self.config = config
         self.model = model
         self.registration = self._register(model, config)

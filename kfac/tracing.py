@@ -19,12 +19,14 @@ PHASES = (
     'factor_allreduce',
     'decomposition',
     'decomposition_broadcast',
+    'grad_gather',
     'precondition',
     'grad_broadcast',
     'kl_clip',
     'write_back',
 )
-"""Phases of one step, in order."""
+"""Phases of one step, in order (`grad_gather` only with sharded
+parameters)."""
 
 
 class PhaseTimer:

@@ -32,6 +32,7 @@ from torch import nn
 
 from kfac.layers.modules import LinearModuleHelper
 from kfac.layers.modules import write_rows
+from kfac.sharding import current_grad
 
 _NAMES = ('q_proj', 'k_proj', 'v_proj')
 _SEPARATE = ('q_proj_weight', 'k_proj_weight', 'v_proj_weight')
@@ -252,13 +253,13 @@ class AttentionProjectionHelper(LinearModuleHelper):
         return self.weight.shape[1]
 
     def get_grad(self) -> torch.Tensor | None:  # noqa: D102
-        wgrad = self.weight.grad
+        wgrad = current_grad(self.weight)
         if wgrad is None:
             return None
         v = wgrad[self.rows]
         bias = self.bias
         if bias is not None:
-            bgrad = bias.grad
+            bgrad = current_grad(bias)
             part = (
                 torch.zeros_like(v[:, 0])
                 if bgrad is None

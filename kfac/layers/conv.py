@@ -21,6 +21,7 @@ from torch import nn
 from kfac.layers.modules import PATCH_BLOCK_ELEMENTS
 from kfac.layers.modules import ModuleHelper
 from kfac.layers.modules import write_rows
+from kfac.sharding import current_grad
 
 _CONVOLUTIONS = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
 
@@ -214,13 +215,13 @@ class ConvGroupHelper(ConvModuleHelper):
         return super().g_columns(grad, dtype, scale)
 
     def get_grad(self) -> torch.Tensor | None:  # noqa: D102
-        wgrad = self.weight.grad
+        wgrad = current_grad(self.weight)
         if wgrad is None:
             return None
         v = wgrad[self.rows].reshape(self._out, -1)
         bias = self.bias
         if bias is not None:
-            part = bias.grad
+            part = current_grad(bias)
             column = (
                 torch.zeros_like(v[:, 0]) if part is None else part[self.rows]
             )

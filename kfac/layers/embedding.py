@@ -50,6 +50,7 @@ import torch
 from torch import nn
 
 from kfac.layers.modules import ModuleHelper
+from kfac.sharding import current_grad
 
 __all__ = [
     'EmbeddingModuleHelper',
@@ -158,7 +159,7 @@ class EmbeddingModuleHelper(ModuleHelper):
 
         None when the weight has no gradient in this step.
         """
-        wgrad = self.weight.grad
+        wgrad = current_grad(self.weight)
         return None if wgrad is None else wgrad.T
 
     def set_grad(

@@ -16,6 +16,8 @@ from typing import cast
 import torch
 from torch import nn
 
+from kfac.sharding import current_grad
+
 PATCH_BLOCK_ELEMENTS = 2**21
 """Elements of unfolded convolution patches computed at once (8 MiB of
 float32)."""
@@ -75,6 +77,11 @@ class ModuleHelper(abc.ABC):
             return bias
         return None
 
+    def parameters(self) -> tuple[torch.Tensor, ...]:
+        """The trained tensors whose gradients form `V`: weight, bias."""
+        bias = self.bias
+        return (self.weight,) if bias is None else (self.weight, bias)
+
     @property
     def has_bias(self) -> bool:
         """Whether `A` includes the constant-1 input of a trained bias."""
@@ -107,13 +114,13 @@ class ModuleHelper(abc.ABC):
 
         None when the weight has no gradient in this step.
         """
-        wgrad = self.weight.grad
+        wgrad = current_grad(self.weight)
         if wgrad is None:
             return None
         v = wgrad.reshape(wgrad.shape[0], -1)
         bias = self.bias
         if bias is not None:
-            bgrad = bias.grad
+            bgrad = current_grad(bias)
             if bgrad is None:
                 bgrad = torch.zeros_like(bias)
             v = torch.cat([v, bgrad.reshape(-1, 1)], dim=1)
@@ -237,7 +244,7 @@ def _write(
     scale: torch.Tensor | None,
 ) -> None:
     """`param.grad = scale · value` (reshaped), reusing `param.grad`."""
-    target = param.grad
+    target = current_grad(param)
     if target is not None and target.is_contiguous():
         view = target.view(value.shape)
         if scale is None:
@@ -261,9 +268,10 @@ def write_rows(
     scale: torch.Tensor | None,
 ) -> None:
     """`param.grad[rows] = scale · value` (a `.grad` of zeros if none)."""
-    if param.grad is None:
-        param.grad = torch.zeros_like(param)
-    target = param.grad[rows]
+    whole = current_grad(param)
+    if whole is None:
+        whole = param.grad = torch.zeros_like(param)
+    target = whole[rows]
     if scale is None:
         target.copy_(value)
     else:
