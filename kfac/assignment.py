@@ -27,7 +27,9 @@ from typing import TypeVar
 
 import torch.distributed as dist
 
+from kfac.enums import AssignmentStrategy
 from kfac.enums import DistributedStrategy
+from kfac.layers.base import FACTOR_NAMES
 from kfac.placement import KAISAPlan
 from kfac.placement import factor_cost
 from kfac.placement import grad_workers_from_fraction
@@ -41,11 +43,14 @@ from kfac.validation import validate_int
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
 
+    from kfac.layers.base import KFACBaseLayer
+
 __all__ = [
     'GroupFunc',
     'KAISAAssignment',
     'KAISAPlan',
     'WorkAssignment',
+    'decomposition_work',
     'default_group_func',
     'factor_cost',
     'plan_kaisa',
@@ -110,6 +115,29 @@ class WorkAssignment(abc.ABC):
         The broadcast's source is
         [`src_grad_worker`][kfac.assignment.WorkAssignment.src_grad_worker].
         """
+
+
+def decomposition_work(
+    layers: Mapping[str, KFACBaseLayer],
+    strategy: AssignmentStrategy | str,
+) -> dict[str, dict[str, float]]:
+    """The `work` of [`KAISAAssignment`][kfac.assignment.KAISAAssignment]
+    for `layers`: per layer, the cost of decomposing each factor.
+
+    A dense factor costs [`factor_cost`][kfac.placement.factor_cost]; a
+    diagonal one (an embedding's `A`) its length, as it takes `O(dim)`
+    time and memory. Every tile of a blocked module (see
+    [`kfac.layers.blocks`][kfac.layers.blocks]) is a layer of its own.
+    """
+    return {
+        name: {
+            f: float(layer.factor(f).dim)
+            if layer.factor(f).diagonal
+            else factor_cost(layer.factor(f).dim, strategy)
+            for f in FACTOR_NAMES
+        }
+        for name, layer in layers.items()
+    }
 
 
 _T = TypeVar('_T')

@@ -14,6 +14,7 @@ from kfac.enums import AssignmentStrategy
 from kfac.enums import ComputeMethod
 from kfac.enums import DistributedStrategy
 from kfac.enums import parse_enum
+from kfac.layers.options import DEFAULT_MAX_FACTOR_DIM
 from kfac.layers.options import KFAC_APPROXIMATIONS
 from kfac.layers.options import check_module_options
 from kfac.layers.register import compile_patterns
@@ -78,6 +79,7 @@ class KFACConfig:
     batch_first: bool = True
     kfac_approx: str = 'expand'
     module_options: Mapping[str, Mapping[str, Any]] | None = None
+    max_factor_dim: int | None = DEFAULT_MAX_FACTOR_DIM
 
     def __post_init__(self) -> None:
         checked = {
@@ -115,6 +117,9 @@ class KFACConfig:
             'kfac_approx': check_choice(
                 'kfac_approx', self.kfac_approx, KFAC_APPROXIMATIONS
             ),
+            'max_factor_dim': None
+            if self.max_factor_dim is None
+            else validate_int('max_factor_dim', self.max_factor_dim),
             'module_options': {
                 pattern: dict(options)
                 for pattern, options in check_module_options(

@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from kfac.assignment import KAISAAssignment
+from kfac.assignment import decomposition_work
 from kfac.base_preconditioner import BaseKFACPreconditioner
 from kfac.base_preconditioner import GradScalerLike
 from kfac.config import FractionLike
@@ -29,12 +30,12 @@ from kfac.layers.base import KFACBaseLayer
 from kfac.layers.eigen import KFACEigenLayer
 from kfac.layers.inverse import KFACInverseLayer
 from kfac.layers.modules import ModuleHelper
+from kfac.layers.options import DEFAULT_MAX_FACTOR_DIM
 from kfac.layers.options import ModuleOptions
 from kfac.layers.register import Registration
 from kfac.layers.register import register_model
 from kfac.layers.statistics import DEFAULT_LOSS_AVERAGE
 from kfac.layers.statistics import LossAverage
-from kfac.placement import factor_cost
 from kfac.report import describe_registration
 from kfac.report import format_report
 from kfac.sharding import check_model
@@ -125,8 +126,13 @@ class KFACPreconditioner(BaseKFACPreconditioner):
         kfac_approx: how weight-sharing positions enter the factors:
             `'expand'` (the default) or `'reduce'` (Eschenhagen et al.,
             NeurIPS 2023; `T` times cheaper for `T` positions).
+        max_factor_dim: the largest side of a dense factor kept whole
+            (default 8192: every factor of ResNet-50 and BERT-Large); a
+            layer with a longer one is preconditioned in tiles with
+            block-diagonal factors of at most this side (see
+            [`kfac.layers.blocks`][kfac.layers.blocks]); None: no limit.
         module_options: per-module overrides of the options above that are
-            per module (`batch_first`, `kfac_approx`):
+            per module (`batch_first`, `kfac_approx`, `max_factor_dim`):
             `{pattern: {option: value}}`, a pattern selecting modules by
             dotted name or class name.
 
@@ -164,6 +170,7 @@ class KFACPreconditioner(BaseKFACPreconditioner):
         batch_first: bool = True,
         kfac_approx: str = 'expand',
         module_options: Mapping[str, Mapping[str, Any]] | None = None,
+        max_factor_dim: int | None = DEFAULT_MAX_FACTOR_DIM,
     ) -> None:
         check_instance('model', model, nn.Module, 'a torch.nn.Module')
         hyperparameters = Hyperparameters(
@@ -193,6 +200,7 @@ class KFACPreconditioner(BaseKFACPreconditioner):
             batch_first=batch_first,
             kfac_approx=kfac_approx,
             module_options=module_options,
+            max_factor_dim=max_factor_dim,
         )
         check_model(_unwrap(model))
         self.config = config
@@ -208,18 +216,8 @@ class KFACPreconditioner(BaseKFACPreconditioner):
             name: _make_layer(helper, config)
             for name, helper in self.registration.helpers.items()
         }
-        work = {
-            name: {
-                # A diagonal factor takes O(dim) time and memory.
-                f.name: float(f.dim)
-                if f.diagonal
-                else factor_cost(f.dim, config.assignment_strategy)
-                for f in layer.factors
-            }
-            for name, layer in layers.items()
-        }
         assignment = KAISAAssignment(
-            work,
+            decomposition_work(layers, config.assignment_strategy),
             local_rank=get_rank(),
             world_size=get_world_size(),
             grad_worker_fraction=config.grad_worker_fraction,
@@ -256,6 +254,7 @@ class KFACPreconditioner(BaseKFACPreconditioner):
             defaults=ModuleOptions(
                 batch_first=config.batch_first,
                 kfac_approx=config.kfac_approx,
+                max_factor_dim=config.max_factor_dim,
             ),
             module_options=config.module_options,
         )

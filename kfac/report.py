@@ -14,6 +14,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from kfac.layers.base import KFACBaseLayer
+from kfac.layers.blocks import BlockHelper
 from kfac.layers.register import Registration
 
 
@@ -29,7 +30,11 @@ def describe_registration(
             its diagonal), `factor_bytes` (both running factors) and `options`
             (`{option: {'value': ..., 'source': ...}}`) and
             `shares_weight_with` (modules whose calls count as its own:
-            they share its weight); the other entries
+            they share its weight) and `block` (None, or for one tile of a
+            module whose factors exceed `max_factor_dim`: `module`,
+            `index`, `count`, and the tile's `rows` (`G`) and `cols` (`A`)
+            of the module's gradient matrix as `[start, stop]`; see
+            [`kfac.layers.blocks`][kfac.layers.blocks]); the other entries
             have `name`, `type`, `parameters` (the module's own) and
             `reason`.
     """
@@ -52,6 +57,7 @@ def describe_registration(
                     for key, value in options.items()
                 },
                 'shares_weight_with': list(registration.aliases.get(name, [])),
+                'block': _block(registration, name, layer),
             }
         )
     others = [
@@ -64,6 +70,22 @@ def describe_registration(
         for skipped in registration.skipped
     ]
     return {'preconditioned': preconditioned, 'not_preconditioned': others}
+
+
+def _block(
+    registration: Registration, name: str, layer: KFACBaseLayer
+) -> dict[str, Any] | None:
+    """The tile a layer is of its module, or None."""
+    helper = layer.module
+    if not isinstance(helper, BlockHelper):
+        return None
+    return {
+        'module': registration.blocks[name] or '<root>',
+        'index': helper.index,
+        'count': helper.count,
+        'rows': [helper.rows.start, helper.rows.stop],
+        'cols': [helper.cols.start, helper.cols.stop],
+    }
 
 
 def format_report(report: Mapping[str, list[dict[str, Any]]]) -> str:
@@ -79,6 +101,14 @@ def format_report(report: Mapping[str, list[dict[str, Any]]]) -> str:
             f'{key}={setting["value"]} ({setting["source"]})'
             for key, setting in entry['options'].items()
         )
+        block = entry['block']
+        if block is not None:
+            options = (
+                f'tile {block["index"] + 1} of {block["count"]} of '
+                f'{block["module"]} (block-diagonal factors: rows '
+                f'{_span(block["rows"])}, columns {_span(block["cols"])}); '
+                + options
+            )
         shared = entry['shares_weight_with']
         if shared:
             options += f'; weight shared with {", ".join(shared)}'
@@ -95,6 +125,10 @@ def format_report(report: Mapping[str, list[dict[str, Any]]]) -> str:
             f'{", ".join(entry["parameters"])}): {entry["reason"]}'
         )
     return '\n'.join(lines)
+
+
+def _span(span: list[int]) -> str:
+    return f'{span[0]}:{span[1]}'
 
 
 def _shape(shape: tuple[int, ...]) -> str:

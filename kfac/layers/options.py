@@ -1,6 +1,7 @@
 """Per-module options: one model-wide value, overrides by name or type.
 
-Every per-module option (`batch_first`, `kfac_approx`) has a model-wide value,
+Every per-module option (`batch_first`, `kfac_approx`, `max_factor_dim`) has
+a model-wide value,
 a keyword argument of the preconditioner. `module_options` overrides it for the
 modules it selects: `{pattern: {option: value}}`, where a pattern is a regular
 expression searched (`re.search`) in a module's dotted name and in its class
@@ -31,9 +32,14 @@ from torch import nn
 from kfac.validation import check_bool
 from kfac.validation import check_choice
 from kfac.validation import type_error
+from kfac.validation import validate_int
 
 KFAC_APPROXIMATIONS = ('expand', 'reduce')
 """Allowed values of `kfac_approx`."""
+
+DEFAULT_MAX_FACTOR_DIM = 8192
+"""Default `max_factor_dim`: every factor of ResNet-50 (largest side 4608)
+and BERT-Large (4097) stays whole; a 50k-token vocabulary's is split."""
 
 _LAYOUT_OWNERS = (
     nn.MultiheadAttention,
@@ -60,9 +66,17 @@ class ModuleOptions:
     inputs and sums the output gradients over an example's positions first
     (Eschenhagen et al., NeurIPS 2023; see [`kfac.math`][kfac.math])."""
 
+    max_factor_dim: int | None = DEFAULT_MAX_FACTOR_DIM
+    """The largest side of a dense factor kept whole; a longer one is
+    split into the fewest near-equal diagonal blocks of at most this side
+    (see [`kfac.layers.blocks`][kfac.layers.blocks]). None: no limit. A
+    diagonal factor (an embedding's `A`) is never split."""
+
     def __post_init__(self) -> None:
         check_bool('batch_first', self.batch_first)
         check_choice('kfac_approx', self.kfac_approx, KFAC_APPROXIMATIONS)
+        if self.max_factor_dim is not None:
+            validate_int('max_factor_dim', self.max_factor_dim)
 
 
 OPTION_NAMES = tuple(f.name for f in dataclasses.fields(ModuleOptions))

@@ -16,6 +16,7 @@ from torch import nn
 from kfac.layers.attention import AttentionProjection
 from kfac.layers.attention import AttentionProjectionHelper
 from kfac.layers.attention import KFACMultiheadAttention
+from kfac.layers.blocks import block_helpers
 from kfac.layers.conv import ConvGroupHelper
 from kfac.layers.conv import ConvModuleHelper
 from kfac.layers.embedding import EmbeddingModuleHelper
@@ -124,6 +125,10 @@ class Registration:
     """Per preconditioned module, the other modules sharing its weight in
     the same role: their calls count as its calls (one set of factors per
     parameter, keyed by the first module's name)."""
+    blocks: dict[str, str] = dataclasses.field(default_factory=dict)
+    """Per layer that is one tile of a module whose factors exceed its
+    `max_factor_dim` (see [`kfac.layers.blocks`][kfac.layers.blocks]), the
+    module's name."""
 
 
 def _functional_parent(
@@ -236,9 +241,41 @@ def register_model(
             cls = type(module).__name__
             skipped.append(Skipped(name or '<root>', cls, own, reason))
     aliases = _tie(modules, helpers, skipped)
+    helpers, blocks = _split_large(helpers, options, sources, aliases)
     options = {n: options[n] for n in helpers}
     sources = {n: sources[n] for n in helpers}
-    return Registration(helpers, options, sources, tuple(skipped), aliases)
+    return Registration(
+        helpers, options, sources, tuple(skipped), aliases, blocks
+    )
+
+
+def _split_large(
+    helpers: dict[str, ModuleHelper],
+    options: dict[str, ModuleOptions],
+    sources: dict[str, dict[str, str]],
+    aliases: dict[str, list[str]],
+) -> tuple[dict[str, ModuleHelper], dict[str, str]]:
+    """Replace each helper with a factor longer than its `max_factor_dim`
+    by its tiles (in place for the options, sources and aliases), keeping
+    model order.
+
+    Returns:
+        The helpers, and `{tile: module name}`.
+    """
+    result: dict[str, ModuleHelper] = {}
+    blocks: dict[str, str] = {}
+    for name, helper in helpers.items():
+        tiles = block_helpers(name, helper, options[name].max_factor_dim)
+        if len(tiles) == 1:
+            result[name] = helper
+            continue
+        for key, tile in tiles:
+            result[key], blocks[key] = tile, name
+            options[key], sources[key] = options[name], sources[name]
+            if name in aliases:
+                aliases[key] = aliases[name]
+        aliases.pop(name, None)
+    return result, blocks
 
 
 def _helpers(name: str, module: nn.Module) -> list[tuple[str, ModuleHelper]]:

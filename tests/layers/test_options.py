@@ -62,16 +62,25 @@ def test_resolution_order_and_sources() -> None:
     }
     assert resolved['enc.linear1'] == (
         ModuleOptions(batch_first=False),
-        {'batch_first': 'inherited from enc', 'kfac_approx': 'model'},
+        {
+            'batch_first': 'inherited from enc',
+            'kfac_approx': 'model',
+            'max_factor_dim': 'model',
+        },
     )
     assert resolved['head'] == (
         ModuleOptions(batch_first=False),
-        {'batch_first': "module_options['head|tail']", 'kfac_approx': 'model'},
+        {
+            'batch_first': "module_options['head|tail']",
+            'kfac_approx': 'model',
+            'max_factor_dim': 'model',
+        },
     )
     assert resolved['tail'][0] == ModuleOptions(batch_first=True)  # last wins
     assert resolved['enc'][1] == {
         'batch_first': 'model',
         'kfac_approx': 'model',
+        'max_factor_dim': 'model',
     }
 
 
