@@ -42,6 +42,30 @@ the decompositions:
   its Cholesky factor (``potrf`` ``n³/3`` + ``potri`` ``2n³/3``); a
   general LU inverse (``torch.linalg.inv``) costs ``2 n³``.
 
+Layers of today's models, in the same terms:
+
+* **Linear on sequences** ``(N, T, in)`` (expand, the default): ``R = N T``,
+  every position a row. **reduce** (``kfac_approx='reduce'``): inputs are
+  averaged and output gradients summed over the ``T`` positions of each
+  example first, so ``R = N`` (the averaging is a pass over the input and
+  output gradient, already in the bytes). A convolution under reduce
+  likewise has ``R = N``.
+* **Attention projections**: ``nn.MultiheadAttention`` is converted as the
+  preconditioner converts it (:func:`kfac.layers.attention.convert_attention`)
+  and its q, k, v and ``out_proj`` projections are Linear layers of
+  ``E`` outputs (``a = E + 1``, ``g = E``) on sequences.
+* **Embedding** (``V`` tokens of width ``d``): a Linear on one-hot inputs
+  with a *diagonal* ``A`` (token counts, ``a = V``, a vector) and ``g = d``;
+  ``R`` is the number of indices. Capture: ``2 R g²`` (``A`` is a scatter
+  of ``R`` ones, no product; its ``R`` index reads are in the bytes);
+  running average ``3 (V + g²)``; decomposition of ``G`` alone (eigen
+  ``9 g³`` plus the ``d_G d_Aᵀ`` table, ``2 g V``; inverse ``g³``);
+  precondition eigen ``4 g² V``, inverse ``2 g² V`` (products with ``Q_G``
+  or ``G⁻¹``; the diagonal ``A`` is a scaling, in the bytes).
+* **Tied weights**: a weight reached by modules of different roles (an
+  output head tied to the token embedding) is left to the optimizer by the
+  library today, and so by this model.
+
 Communication phases have no arithmetic; at world size 1 they move no bytes
 and their floor is 0 (their time is reported as overhead). The running
 average could be fused into the statistic's matrix product (``C ← ξ C +
@@ -50,12 +74,17 @@ average could be fused into the statistic's matrix product (``C ← ξ C +
 
 from __future__ import annotations
 
+import collections
+import copy
 import dataclasses
 from collections.abc import Iterable
 from collections.abc import Mapping
 
 import torch
 from torch import nn
+
+from kfac.layers.attention import AttentionProjection
+from kfac.layers.attention import convert_attention
 
 __all__ = [
     'EIGH_FLOPS_PER_N3',
@@ -105,6 +134,8 @@ class LayerShape:
         output_numel: elements of its output (and output gradient).
         bias: whether ``A`` includes a bias row and column (the library
             fills those from column sums, not a matrix product).
+        a_diagonal: whether ``A`` is diagonal (an embedding's token
+            counts), kept as a vector of length ``a_dim``.
 
     """
 
@@ -115,6 +146,12 @@ class LayerShape:
     input_numel: int = 0
     output_numel: int = 0
     bias: bool = False
+    a_diagonal: bool = False
+
+    @property
+    def a_numel(self) -> int:
+        """Elements of ``A`` as stored: ``a²``, or ``a`` when diagonal."""
+        return self.a_dim if self.a_diagonal else self.a_dim**2
 
     @property
     def grad_numel(self) -> int:
@@ -136,38 +173,83 @@ class Work:
         return Work(self.flops * times, self.nbytes * times)
 
 
-def _supported(module: nn.Module) -> bool:
-    weight = getattr(module, 'weight', None)
-    trainable = isinstance(weight, nn.Parameter) and weight.requires_grad
-    if isinstance(module, nn.Conv2d):
-        return trainable and module.groups == 1
-    return trainable and isinstance(module, nn.Linear)
+def _trainable(tensor: object) -> bool:
+    return isinstance(tensor, nn.Parameter) and tensor.requires_grad
 
 
-def _static_shape(name: str, module: nn.Module) -> LayerShape:
-    weight = module.weight
-    assert isinstance(weight, torch.Tensor)  # checked by _supported
-    bias = getattr(module, 'bias', None)
-    has_bias = isinstance(bias, torch.Tensor) and bias.requires_grad
-    a_dim = weight[0].numel() + int(has_bias)
-    return LayerShape(name, a_dim, weight.shape[0], bias=has_bias)
+def _static_shape(name: str, module: nn.Module) -> LayerShape | None:
+    """K-FAC's view of ``module``, or None when it is not preconditioned."""
+    if isinstance(module, AttentionProjection):
+        weight, rows, bias = module.parameters_slices()
+        has_bias = _trainable(bias)
+        out, inputs = weight[rows].shape
+        return LayerShape(name, inputs + int(has_bias), out, bias=has_bias)
+    if isinstance(module, nn.Embedding):
+        plain = module.max_norm is None and not module.sparse
+        if not (plain and _trainable(module.weight)):
+            return None
+        if module.scale_grad_by_freq:
+            return None
+        v, d = module.weight.shape
+        return LayerShape(name, v, d, a_diagonal=True)
+    conv = isinstance(module, nn.Conv2d) and module.groups == 1
+    if not (conv or isinstance(module, nn.Linear)):
+        return None
+    param = getattr(module, 'weight', None)
+    if not _trainable(param):
+        return None
+    assert isinstance(param, torch.Tensor)
+    has_bias = _trainable(getattr(module, 'bias', None))
+    a_dim = param[0].numel() + int(has_bias)
+    return LayerShape(name, a_dim, param.shape[0], bias=has_bias)
+
+
+def _tied_in_other_roles(model: nn.Module) -> set[str]:
+    """Modules sharing a weight with a module of another type."""
+    users: dict[int, list[tuple[str, type]]] = collections.defaultdict(list)
+    for name, module in model.named_modules(remove_duplicate=False):
+        weight = module._parameters.get('weight')
+        if weight is not None:
+            users[id(weight)].append((name, type(module)))
+    tied: set[str] = set()
+    for group in users.values():
+        if len({kind for _, kind in group}) > 1:
+            tied.update(name for name, _ in group)
+    return tied
 
 
 def layer_shapes(
     model: nn.Module,
     inputs: torch.Tensor | None = None,
+    *,
+    kfac_approx: str = 'expand',
+    skip_types: Iterable[str] = (),
 ) -> list[LayerShape]:
     """Shapes of the layers K-FAC preconditions, in ``named_modules`` order.
 
-    The Linear and Conv2d (``groups == 1``) modules with a trainable
-    weight. With ``inputs``, one forward pass (without gradients) records
-    each layer's rows and tensor sizes.
+    The Linear, Conv2d (``groups == 1``) and Embedding modules with a
+    trainable weight and the projections of every ``nn.MultiheadAttention``
+    (a copy of ``model`` is converted as the preconditioner converts it),
+    less those whose type name is in ``skip_types`` and those sharing their
+    weight with a module of another type (see the module docstring). With
+    ``inputs``, one forward pass (without gradients) records each layer's
+    rows and tensor sizes; under ``kfac_approx='reduce'`` a Linear or
+    convolution has one row per example (embeddings stay at expand).
     """
-    shapes = {
-        name: _static_shape(name, module)
-        for name, module in model.named_modules()
-        if _supported(module)
-    }
+    if kfac_approx not in ('expand', 'reduce'):
+        raise ValueError(
+            f"kfac_approx must be 'expand' or 'reduce'; got {kfac_approx!r}"
+        )
+    model = copy.deepcopy(model)
+    convert_attention(model)
+    skipped = set(skip_types) | _tied_in_other_roles(model)
+    shapes = {}
+    for name, module in model.named_modules():
+        if name in skipped or type(module).__name__ in skipped:
+            continue
+        shape = _static_shape(name, module)
+        if shape is not None:
+            shapes[name] = shape
     if inputs is None:
         return list(shapes.values())
     modules = dict(model.named_modules())
@@ -176,6 +258,8 @@ def layer_shapes(
     def record(name: str, args: tuple[torch.Tensor, ...], out: object) -> None:
         assert isinstance(out, torch.Tensor)
         rows = out.numel() // shapes[name].g_dim
+        if kfac_approx == 'reduce' and not shapes[name].a_diagonal:
+            rows = out.shape[0] if out.dim() > 1 else 1
         sizes[name] = (rows, args[0].numel(), out.numel())
 
     handles = [
@@ -203,16 +287,17 @@ def layer_shapes(
 
 
 def _capture(layer: LayerShape, itemsize: int) -> Work:
-    squares = layer.a_dim**2 + layer.g_dim**2
-    inputs = layer.a_dim - int(layer.bias)
+    squares = layer.a_numel + layer.g_dim**2
+    inputs = 0 if layer.a_diagonal else layer.a_dim - int(layer.bias)
     flops = 2.0 * layer.rows * (inputs**2 + layer.g_dim**2)
     moved = layer.input_numel + layer.output_numel + squares
     return Work(flops, moved * itemsize)
 
 
 def _decomposition(layer: LayerShape, method: str, itemsize: int) -> Work:
-    cubes = float(layer.a_dim**3 + layer.g_dim**3)
-    squares = layer.a_dim**2 + layer.g_dim**2
+    a_cube = 0 if layer.a_diagonal else layer.a_dim**3
+    cubes = float(a_cube + layer.g_dim**3)
+    squares = layer.a_numel + layer.g_dim**2
     if method == 'eigen':
         flops = EIGH_FLOPS_PER_N3 * cubes + 2.0 * layer.grad_numel
         return Work(flops, (2 * squares + layer.grad_numel) * itemsize)
@@ -221,10 +306,12 @@ def _decomposition(layer: LayerShape, method: str, itemsize: int) -> Work:
 
 def _precondition(layer: LayerShape, method: str, itemsize: int) -> Work:
     a, g, v = layer.a_dim, layer.g_dim, layer.grad_numel
-    chain = float(g * g * a + g * a * a)
+    a_side = 0 if layer.a_diagonal else g * a * a
+    chain = float(g * g * a + a_side)
+    factors = layer.a_numel + g * g
     if method == 'eigen':
-        return Work(4.0 * chain, (3 * v + a * a + g * g) * itemsize)
-    return Work(2.0 * chain, (2 * v + a * a + g * g) * itemsize)
+        return Work(4.0 * chain, (3 * v + factors) * itemsize)
+    return Work(2.0 * chain, (2 * v + factors) * itemsize)
 
 
 def phase_work(
@@ -244,7 +331,7 @@ def phase_work(
         raise ValueError(
             f"method must be 'eigen' or 'inverse'; got {method!r}"
         )
-    squares = layer.a_dim**2 + layer.g_dim**2
+    squares = layer.a_numel + layer.g_dim**2
     v = layer.grad_numel
     return {
         'factor_capture': _capture(layer, itemsize),

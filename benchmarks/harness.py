@@ -31,7 +31,6 @@ from collections.abc import Callable
 
 import torch
 
-from benchmarks.models import SKIP_LAYERS
 from benchmarks.models import Bench
 from kfac.preconditioner import KFACPreconditioner
 from kfac.tracing import PhaseTimer
@@ -39,9 +38,11 @@ from kfac.tracing import PhaseTimer
 __all__ = [
     'CONFIGS',
     'LR',
+    'REDUCE_CONFIGS',
     'Config',
     'Runner',
     'Sample',
+    'configs_for',
     'interleave',
     'step_kind',
 ]
@@ -58,6 +59,7 @@ class Config:
     method: str | None = None
     factor_steps: int = 1
     inv_steps: int = 1
+    approx: str = 'expand'
 
 
 CONFIGS = (
@@ -67,6 +69,22 @@ CONFIGS = (
     Config('inverse 1/1', 'inverse', 1, 1),
     Config('inverse 10/100', 'inverse', 10, 100),
 )
+#: The same K-FAC configurations with ``kfac_approx='reduce'``, for models
+#: whose layers share weights across positions.
+REDUCE_CONFIGS = tuple(
+    dataclasses.replace(c, name=f'{c.name} reduce', approx='reduce')
+    for c in CONFIGS
+    if c.method is not None
+)
+
+
+def configs_for(bench: Bench) -> tuple[Config, ...]:
+    """:data:`CONFIGS`, plus :data:`REDUCE_CONFIGS` when ``bench``
+    benchmarks reduce.
+    """
+    if 'reduce' in bench.approximations:
+        return CONFIGS + REDUCE_CONFIGS
+    return CONFIGS
 
 
 def step_kind(step: int, config: Config) -> str:
@@ -129,7 +147,9 @@ class Runner:
                 factor_update_steps=config.factor_steps,
                 inv_update_steps=config.inv_steps,
                 lr=LR,
-                skip_layers=SKIP_LAYERS,
+                skip_layers=bench.skip_layers,
+                kfac_approx=config.approx,
+                **bench.kfac_options,
             )
             self.preconditioner.timer = self.timer
         self.steps = 0

@@ -9,6 +9,12 @@
   :func:`torch.nn.functional.scaled_dot_product_attention`, so K-FAC
   preconditions every projection (``nn.MultiheadAttention`` would hide
   ``out_proj`` behind a functional call).
+* ``gpt``: :class:`examples.gpt.GPT`, a GPT-style byte-level model as
+  people write it: token and learned position embeddings,
+  :class:`torch.nn.MultiheadAttention` (converted by the preconditioner),
+  an output head tied to the token embedding, 4 blocks of width 128,
+  batches of 32 x 128 = 4096 tokens, a loss averaged over tokens
+  (``loss_average='batch+sequence'``); nothing skipped.
 
 :func:`build` returns a model with a fixed batch of synthetic data and a
 loss function for each benchmark name.
@@ -19,12 +25,17 @@ from __future__ import annotations
 import dataclasses
 import itertools
 from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from examples.gpt import GPT
+from examples.gpt import GPTConfig
+
 __all__ = [
+    'GPT_BENCH',
     'MLP',
     'MODELS',
     'SKIP_LAYERS',
@@ -189,7 +200,10 @@ BATCHES = 4
 class Bench:
     """A model, :data:`BATCHES` fixed batches and its loss.
 
-    ``inputs[k]`` and ``target[k]`` are batch ``k``.
+    ``inputs[k]`` and ``target[k]`` are batch ``k``. ``skip_layers`` and
+    ``kfac_options`` go to :class:`~kfac.preconditioner.KFACPreconditioner`;
+    ``approximations`` are the ``kfac_approx`` values benchmarked (reduce
+    only where layers share weights across positions).
     """
 
     name: str
@@ -197,12 +211,17 @@ class Bench:
     inputs: torch.Tensor
     target: torch.Tensor
     loss: Loss
+    skip_layers: tuple[str, ...] = SKIP_LAYERS
+    kfac_options: dict[str, Any] = dataclasses.field(default_factory=dict)
+    approximations: tuple[str, ...] = ('expand', 'reduce')
 
 
 def _mlp(generator: torch.Generator) -> Bench:
     x = torch.randn(BATCHES, 128, 64, generator=generator)
     y = torch.randint(0, 10, (BATCHES, 128), generator=generator)
-    return Bench('mlp', MLP(), x, y, F.cross_entropy)
+    return Bench(
+        'mlp', MLP(), x, y, F.cross_entropy, approximations=('expand',)
+    )
 
 
 def _resnet20(generator: torch.Generator) -> Bench:
@@ -222,11 +241,31 @@ def _transformer(generator: torch.Generator) -> Bench:
     )
 
 
+#: The GPT benchmark's sizes: 32 sequences of 128 bytes (4096 tokens).
+GPT_BENCH = GPTConfig(vocab=256, context=128, width=128, depth=4, heads=4)
+GPT_BATCH = 32
+
+
+def _gpt(generator: torch.Generator) -> Bench:
+    shape = (BATCHES, GPT_BATCH, GPT_BENCH.context + 1)
+    tokens = torch.randint(0, GPT_BENCH.vocab, shape, generator=generator)
+    return Bench(
+        'gpt',
+        GPT(GPT_BENCH),
+        tokens[:, :, :-1],
+        tokens[:, :, 1:],
+        _sequence_loss,
+        skip_layers=(),
+        kfac_options={'loss_average': 'batch+sequence'},
+    )
+
+
 #: Benchmark name -> builder taking a seeded generator.
 MODELS: dict[str, Callable[[torch.Generator], Bench]] = {
     'mlp': _mlp,
     'resnet20': _resnet20,
     'transformer': _transformer,
+    'gpt': _gpt,
 }
 
 

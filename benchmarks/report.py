@@ -150,7 +150,7 @@ def _worst(configs: Mapping[str, Any], having: str) -> str:
     worst = [
         w
         for name, entry in configs.items()
-        if having in name and (w := worst_phase(entry)) is not None
+        if name.endswith(having) and (w := worst_phase(entry)) is not None
     ]
     if not worst:
         return '-'
@@ -158,26 +158,46 @@ def _worst(configs: Mapping[str, Any], having: str) -> str:
     return f'{ratio:.1f} ({name})'
 
 
+def _ratio(configs: Mapping[str, Any], name: str, key: str) -> str:
+    entry = configs.get(name)
+    if entry is None:
+        return '-'
+    value = entry['cycle']['ratio_to_sgd'] if key == 'x' else entry[key]
+    return _f(value)
+
+
 def summary_table(result: Mapping[str, Any]) -> str:
-    """Per model: the 10/100 ratios to SGD and the worst phase/floor."""
+    """Per model and ``kfac_approx``: the 10/100 ratios to SGD, their
+    floors, and the worst phase/floor.
+    """
     rows = []
     for model, data in result['models'].items():
         configs = data['configs']
-        rows.append(
-            [
-                model,
-                _f(configs['eigen 10/100']['cycle']['ratio_to_sgd']),
-                _f(configs['inverse 10/100']['cycle']['ratio_to_sgd']),
-                _worst(configs, '10/100'),
-                _worst(configs, ''),
+        for suffix in ('', ' reduce'):
+            eigen, inverse = f'eigen 10/100{suffix}', f'inverse 10/100{suffix}'
+            if eigen not in configs:
+                continue
+            floors = [
+                _ratio(configs, n, 'floor_ratio_to_sgd')
+                for n in (eigen, inverse)
             ]
-        )
+            rows.append(
+                [
+                    model,
+                    suffix.strip() or 'expand',
+                    _ratio(configs, eigen, 'x'),
+                    _ratio(configs, inverse, 'x'),
+                    ' / '.join(floors),
+                    _worst(configs, f'10/100{suffix}'),
+                ]
+            )
     header = [
         'model',
+        'kfac_approx',
         'eigen 10/100 x SGD',
         'inverse 10/100 x SGD',
+        'floor: eigen / inverse x SGD',
         'worst phase/floor at 10/100',
-        'worst phase/floor (any config)',
     ]
     return _table(header, rows)
 

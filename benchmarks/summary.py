@@ -16,10 +16,10 @@ from benchmarks.floor import cycle_counts
 from benchmarks.floor import floor_seconds
 from benchmarks.floor import layer_shapes
 from benchmarks.floor import step_work
-from benchmarks.harness import CONFIGS
 from benchmarks.harness import Config
 from benchmarks.harness import Runner
 from benchmarks.harness import Sample
+from benchmarks.harness import configs_for
 from benchmarks.harness import cycle_kinds
 from benchmarks.harness import interleave
 from benchmarks.harness import kind_medians
@@ -50,7 +50,8 @@ def run_model(
     fi_steps: int,
     full_cycle: bool,
 ) -> dict[str, Any]:
-    """Benchmark model ``name`` in every configuration of ``CONFIGS``.
+    """Benchmark model ``name`` in every configuration of
+    :func:`~benchmarks.harness.configs_for` it.
 
     Args:
         name: a key of :data:`benchmarks.models.MODELS`.
@@ -63,9 +64,18 @@ def run_model(
 
     """
     bench = build(name)
-    shapes = layer_shapes(bench.model, bench.inputs[0])
-    Runner(bench, CONFIGS[0], device).step(record=False)  # process warm-up
-    runners = [Runner(bench, config, device) for config in CONFIGS]
+    shapes = {
+        approx: layer_shapes(
+            bench.model,
+            bench.inputs[0],
+            kfac_approx=approx,
+            skip_types=bench.skip_layers,
+        )
+        for approx in bench.approximations
+    }
+    configs = configs_for(bench)
+    Runner(bench, configs[0], device).step(record=False)  # process warm-up
+    runners = [Runner(bench, config, device) for config in configs]
     memory = [peak_memory(runner, 1) for runner in runners]
     counts = [_counts(r, steps, fi_steps, full_cycle) for r in runners]
     probe = RateProbe(device)
@@ -77,7 +87,7 @@ def run_model(
             **peak,
             'memory_usage': runner.memory_usage(),
         }
-    result['layers'] = len(shapes)
+    result['layers'] = len(shapes['expand'])
     result['parameters'] = sum(p.numel() for p in bench.model.parameters())
     return result
 
@@ -105,18 +115,22 @@ def paired_ratios(
     return {kind: statistics.median(v) for kind, v in by_kind.items()}
 
 
-def _fi_fallbacks(runners: list[Runner]) -> dict[str, dict[str, float]]:
-    """Per method: the ``'fi'`` medians of the runner with most of them,
-    with their ratio to SGD paired by round (``'paired_ratio'``).
+Fallbacks = dict[tuple[str, str], dict[str, float]]
+
+
+def _fi_fallbacks(runners: list[Runner]) -> Fallbacks:
+    """Per method and approximation: the ``'fi'`` medians of the runner
+    with most of them, with their ratio to SGD paired by round
+    (``'paired_ratio'``).
     """
     sgd = next(r for r in runners if r.config.method is None)
     sgd_times = [s.seconds for s in sgd.samples]
-    found: dict[str, dict[str, float]] = {}
+    found: Fallbacks = {}
     for runner in runners:
-        method = runner.config.method
         medians = kind_medians(runner.samples).get('fi')
-        if method is None or medians is None:
+        if runner.config.method is None or medians is None:
             continue
+        method = (runner.config.method, runner.config.approx)
         if medians['n'] > found.get(method, {}).get('n', 0.0):
             ratio = paired_ratios(runner.samples, sgd_times)['fi']
             found[method] = {**medians, 'paired_ratio': ratio}
@@ -125,12 +139,12 @@ def _fi_fallbacks(runners: list[Runner]) -> dict[str, dict[str, float]]:
 
 def summarise(
     runners: list[Runner],
-    shapes: list[LayerShape],
+    shapes: dict[str, list[LayerShape]],
     rates: Rates,
     full_cycle: bool,
 ) -> dict[str, Any]:
     """Per configuration: step statistics, amortised ratio to SGD, phases
-    against their floors.
+    against their floors (``shapes`` per ``kfac_approx``).
     """
     sgd = next(r for r in runners if r.config.method is None)
     sgd_times = [s.seconds for s in sgd.samples]
@@ -147,7 +161,14 @@ def summarise(
         }
         if runner.config.method is not None:
             entry.update(
-                _kfac(runner, shapes, rates, base, fallbacks, sgd_times)
+                _kfac(
+                    runner,
+                    shapes[runner.config.approx],
+                    rates,
+                    base,
+                    fallbacks,
+                    sgd_times,
+                )
             )
         configs[runner.config.name] = entry
     return {'sgd_seconds': base, 'full_cycle': full_cycle, 'configs': configs}
@@ -158,16 +179,17 @@ def _kfac(
     shapes: list[LayerShape],
     rates: Rates,
     base: dict[str, float],
-    fallbacks: dict[str, dict[str, float]],
+    fallbacks: Fallbacks,
     sgd_times: list[float],
 ) -> dict[str, Any]:
     config = runner.config
     assert config.method is not None
     medians = kind_medians(runner.samples)
     paired = paired_ratios(runner.samples, sgd_times)
-    if 'fi' not in medians and config.method in fallbacks:
-        medians['fi'] = fallbacks[config.method]
-        paired['fi'] = fallbacks[config.method]['paired_ratio']
+    key = (config.method, config.approx)
+    if 'fi' not in medians and key in fallbacks:
+        medians['fi'] = fallbacks[key]
+        paired['fi'] = fallbacks[key]['paired_ratio']
     kinds = cycle_kinds(config, CYCLE)
     missing = [k for k in kinds if not medians.get(k)]
     if missing:

@@ -3,7 +3,9 @@
 :class:`History` holds one optimizer's test accuracy, training loss and
 training wall time after every epoch; :func:`format_history` and
 :func:`format_summary` make the tables ``examples.fashion_mnist`` prints,
-and :func:`plot` the PNG (matplotlib, Agg backend, imported only there).
+and :func:`plot` the PNG through :func:`plot_curves`, which the character
+language model (``examples.char_lm``) uses too (matplotlib, Agg backend,
+imported only there).
 """
 
 from __future__ import annotations
@@ -85,36 +87,79 @@ def format_summary(histories: Sequence[History], target: float) -> str:
     return '\n'.join(lines)
 
 
-def plot(
-    histories: Sequence[History], path: pathlib.Path, title: str
+@dataclasses.dataclass(frozen=True)
+class Curve:
+    """One run's metric at each evaluation, by step (or epoch) and time."""
+
+    label: str
+    steps: Sequence[int]
+    seconds: Sequence[float]
+    values: Sequence[float]
+
+
+def plot_curves(
+    curves: Sequence[Curve],
+    path: pathlib.Path,
+    title: str,
+    *,
+    ylabel: str,
+    xlabel: str,
+    legend: str = 'upper right',
+    ylim: tuple[float, float] | None = None,
 ) -> pathlib.Path:
-    """Test accuracy against wall-clock time and epochs, as a PNG."""
+    """A metric against wall-clock time (left) and steps (right), as a PNG.
+
+    matplotlib (Agg backend) is imported here only.
+    """
     import matplotlib as mpl
 
     mpl.use('Agg')
     import matplotlib.pyplot as plt
 
-    fig, (by_time, by_epoch) = plt.subplots(1, 2, figsize=(11, 4.2))
-    for h in histories:  # from epoch 1: epoch 0 is the untrained network
-        pct = [100 * a for a in h.accuracy[1:]]
-        by_time.plot(h.seconds[1:], pct, marker='o', label=h.label)
-        by_epoch.plot(range(1, len(pct) + 1), pct, marker='o', label=h.label)
-    low = min(100 * a for h in histories for a in h.accuracy[1:])
-    high = max(100 * a for h in histories for a in h.accuracy[1:])
-    for ax, xlabel in (
+    fig, (by_time, by_step) = plt.subplots(1, 2, figsize=(11, 4.2))
+    for c in curves:
+        by_time.plot(c.seconds, c.values, marker='o', label=c.label)
+        by_step.plot(c.steps, c.values, marker='o', label=c.label)
+    for ax, x in (
         (by_time, 'training wall-clock time (s)'),
-        (by_epoch, 'epoch'),
+        (by_step, xlabel),
     ):
-        ax.set_xlabel(xlabel)
-        ax.set_ylabel('test accuracy (%)')
-        ax.set_ylim(max(0.0, low - 2), min(100.0, high + 2))
+        ax.set_xlabel(x)
+        ax.set_ylabel(ylabel)
+        if ylim is not None:
+            ax.set_ylim(*ylim)
         ax.set_xlim(left=0)
         ax.grid(alpha=0.3)
-        ax.legend(loc='lower right')
-    by_epoch.set_xticks(range(len(histories[0].accuracy)))
+        ax.legend(loc=legend)
     fig.suptitle(title, fontsize=10)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
+
+
+def plot(
+    histories: Sequence[History], path: pathlib.Path, title: str
+) -> pathlib.Path:
+    """Test accuracy against wall-clock time and epochs, as a PNG."""
+    curves = [  # from epoch 1: epoch 0 is the untrained network
+        Curve(
+            h.label,
+            range(1, len(h.accuracy)),
+            h.seconds[1:],
+            [100 * a for a in h.accuracy[1:]],
+        )
+        for h in histories
+    ]
+    low = min(v for c in curves for v in c.values)
+    high = max(v for c in curves for v in c.values)
+    return plot_curves(
+        curves,
+        path,
+        title,
+        ylabel='test accuracy (%)',
+        xlabel='epoch',
+        legend='lower right',
+        ylim=(max(0.0, low - 2), min(100.0, high + 2)),
+    )

@@ -9,20 +9,24 @@ traffic model. No test here asserts a time.
 from __future__ import annotations
 
 import collections
+import dataclasses
 from collections.abc import Sequence
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
 from benchmarks import comm
+from benchmarks.floor import Work
 from benchmarks.floor import cycle_counts
 from benchmarks.floor import floor_seconds
 from benchmarks.floor import layer_shapes
 from benchmarks.floor import phase_work
 from benchmarks.floor import step_work
 from benchmarks.harness import CONFIGS
+from benchmarks.harness import REDUCE_CONFIGS
 from benchmarks.harness import Config
 from benchmarks.harness import Sample
 from benchmarks.harness import cycle_kinds
@@ -31,6 +35,7 @@ from benchmarks.harness import step_kind
 from benchmarks.machine import machine_info
 from benchmarks.models import MLP
 from benchmarks.models import SKIP_LAYERS
+from benchmarks.models import Bench
 from benchmarks.models import ResNet20
 from benchmarks.models import Transformer
 from benchmarks.report import markdown
@@ -40,8 +45,11 @@ from benchmarks.shapes import bert_large_shapes
 from benchmarks.shapes import resnet50_shapes
 from benchmarks.summary import paired_ratios
 from benchmarks.summary import run_model
+from examples.gpt import GPT
+from examples.gpt import GPTConfig
 from kfac.layers.base import KFACBaseLayer
 from kfac.layers.eigen import KFACEigenLayer
+from kfac.layers.embedding import EmbeddingModuleHelper
 from kfac.layers.inverse import KFACInverseLayer
 from kfac.layers.modules import Conv2dModuleHelper
 from kfac.layers.modules import LinearModuleHelper
@@ -80,27 +88,50 @@ def _layer(method: str, helper: ModuleHelper) -> KFACBaseLayer:
 
 
 CASES = [
-    (nn.Linear(7, 5), (6, 7)),
-    (nn.Linear(7, 5, bias=False), (3, 4, 7)),
-    (nn.Conv2d(3, 4, 3, stride=2, padding=1), (2, 3, 9, 9)),
-    (nn.Conv2d(2, 3, (3, 2), dilation=2, bias=False), (2, 2, 8, 7)),
+    (nn.Linear(7, 5), (6, 7), 'expand'),
+    (nn.Linear(7, 5, bias=False), (3, 4, 7), 'expand'),
+    (nn.Conv2d(3, 4, 3, stride=2, padding=1), (2, 3, 9, 9), 'expand'),
+    (nn.Conv2d(2, 3, (3, 2), dilation=2, bias=False), (2, 2, 8, 7), 'expand'),
+    # Linear on sequences and convolutions under reduce: one row per example
+    (nn.Linear(7, 5), (3, 4, 7), 'reduce'),
+    (nn.Linear(7, 5, bias=False), (2, 3, 2, 7), 'reduce'),
+    (nn.Conv2d(3, 4, 3, stride=2, padding=1), (2, 3, 9, 9), 'reduce'),
+    # Embedding: diagonal A (token counts), no product for A
+    (nn.Embedding(11, 5), (3, 4), 'expand'),
+    (nn.Embedding(11, 5, padding_idx=0), (6,), 'expand'),
 ]
 
 
-@pytest.mark.parametrize('method', ['eigen', 'inverse'])
-@pytest.mark.parametrize(('module', 'shape'), CASES)
-def test_capture_and_precondition_flops_match_the_library(
-    method: str, module: nn.Module, shape: tuple[int, ...]
-) -> None:
-    torch.manual_seed(0)
-    x = torch.randn(shape)
-    (counted_shape,) = layer_shapes(nn.Sequential(module), x)
+def _input(module: nn.Module, shape: tuple[int, ...]) -> torch.Tensor:
+    if isinstance(module, nn.Embedding):
+        return torch.randint(0, module.num_embeddings, shape)
+    return torch.randn(shape)
+
+
+def _helper(module: nn.Module, approx: str) -> ModuleHelper:
     helper: ModuleHelper
     if isinstance(module, nn.Conv2d):
         helper = Conv2dModuleHelper(module)
+    elif isinstance(module, nn.Embedding):
+        helper = EmbeddingModuleHelper(module)
     else:
         helper = LinearModuleHelper(module)
-    layer = _layer(method, helper)
+    if approx != 'expand':
+        helper.kfac_approx = approx
+    return helper
+
+
+@pytest.mark.parametrize('method', ['eigen', 'inverse'])
+@pytest.mark.parametrize(('module', 'shape', 'approx'), CASES)
+def test_capture_and_precondition_flops_match_the_library(
+    method: str, module: nn.Module, shape: tuple[int, ...], approx: str
+) -> None:
+    torch.manual_seed(0)
+    x = _input(module, shape)
+    (counted_shape,) = layer_shapes(
+        nn.Sequential(module), x, kfac_approx=approx
+    )
+    layer = _layer(method, _helper(module, approx))
     out = module(x)
     out.sum().backward()
     grad_out = torch.randn_like(out)
@@ -116,22 +147,93 @@ def test_capture_and_precondition_flops_match_the_library(
     assert precondition == work['precondition'].flops
     assert counted_shape.a_dim == layer.a.dim
     assert counted_shape.g_dim == layer.g.dim
+    assert counted_shape.a_diagonal == layer.a.diagonal
 
 
-@pytest.mark.parametrize('model', [MLP(), ResNet20(), Transformer(depth=1)])
-def test_layer_shapes_match_the_registered_layers(model: nn.Module) -> None:
-    pre = KFACPreconditioner(model, skip_layers=SKIP_LAYERS)
-    shapes = layer_shapes(model)
+def test_reduce_and_embedding_terms_count_as_written() -> None:
+    """The new floor terms against a count made here by hand."""
+    # Linear 7 -> 5 with a bias on (3, 4, 7): a = 8, g = 5
+    expand, reduce = (
+        layer_shapes(
+            nn.Sequential(nn.Linear(7, 5)), torch.randn(3, 4, 7), kfac_approx=k
+        )[0]
+        for k in ('expand', 'reduce')
+    )
+    assert (expand.rows, reduce.rows) == (12, 3)  # N T rows, N rows
+    assert phase_work(reduce, 'eigen')['factor_capture'].flops == 2 * 3 * (
+        49 + 25
+    )
+    # reduce changes the statistics only
+    for phase in ('running_average', 'decomposition', 'precondition'):
+        assert (
+            phase_work(reduce, 'eigen')[phase]
+            == phase_work(expand, 'eigen')[phase]
+        )
+    # Embedding of 11 tokens, width 5, on 12 indices: A is 11 numbers
+    (emb,) = layer_shapes(
+        nn.Sequential(nn.Embedding(11, 5)), torch.zeros(3, 4, dtype=torch.long)
+    )
+    assert (emb.a_dim, emb.g_dim, emb.rows, emb.a_numel) == (11, 5, 12, 11)
+    eigen, inverse = phase_work(emb, 'eigen'), phase_work(emb, 'inverse')
+    assert eigen['factor_capture'].flops == 2 * 12 * 25
+    assert eigen['running_average'] == Work(3.0 * (11 + 25), 4 * 3 * (11 + 25))
+    assert eigen['decomposition'].flops == 9 * 125 + 2 * 55
+    assert inverse['decomposition'].flops == 125
+    assert eigen['precondition'].flops == 4 * 25 * 11
+    assert inverse['precondition'].flops == 2 * 25 * 11
+    # its step work equals that of the Linear on one-hot inputs, less the
+    # products with a dense A
+    onehot = dataclasses.replace(emb, a_diagonal=False)
+    dense = phase_work(onehot, 'eigen')['precondition'].flops
+    assert dense - eigen['precondition'].flops == 4 * 5 * 11 * 11
+    with pytest.raises(ValueError, match='kfac_approx'):
+        layer_shapes(MLP(), kfac_approx='diagonal')
+
+
+def _small_gpt() -> GPT:
+    return GPT(GPTConfig(vocab=13, context=8, width=8, depth=2, heads=2))
+
+
+@pytest.mark.parametrize(
+    ('model', 'x', 'skip'),
+    [
+        (MLP(), torch.randn(2, 64), SKIP_LAYERS),
+        (ResNet20(), torch.randn(2, 3, 32, 32), SKIP_LAYERS),
+        (Transformer(depth=1), torch.randint(0, 256, (2, 8)), SKIP_LAYERS),
+        # embedding preconditioned
+        (Transformer(depth=1), torch.randint(0, 256, (2, 8)), ()),
+        # converted attention, position embedding, tied head
+        (_small_gpt(), torch.randint(0, 13, (2, 8)), ()),
+    ],
+)
+def test_layer_shapes_match_the_registered_layers(
+    model: nn.Module, x: torch.Tensor, skip: tuple[str, ...]
+) -> None:
+    shapes = layer_shapes(model, skip_types=skip)
+    pre = KFACPreconditioner(model, skip_layers=skip)
     assert [s.name for s in shapes] == list(pre.layers)
+    model(x).sum().backward()
     for shape in shapes:
         layer = pre.layers[shape.name]
         assert (shape.a_dim, shape.g_dim) == (layer.a.dim, layer.g.dim)
-        assert (
-            shape.grad_numel
-            == layer.module.weight.numel()
-            + (layer.a.dim - layer.module.in_features) * layer.g.dim
-        )
+        assert shape.a_diagonal == layer.a.diagonal
+        grad = layer.module.get_grad()  # V, bias column included
+        assert grad is not None
+        assert shape.grad_numel == grad.numel()
     pre.remove()
+
+
+def test_gpt_bench_rows_match_the_library_statistics() -> None:
+    """Rows per layer of the GPT model: the library's own tally."""
+    model = _small_gpt()
+    tokens = torch.randint(0, 13, (3, 8))
+    for approx in ('expand', 'reduce'):
+        shapes = layer_shapes(model, tokens, kfac_approx=approx)
+        assert {s.name for s in shapes} >= {'pos', 'blocks.1.attn.v_proj'}
+        assert not {'embed', 'head'} & {s.name for s in shapes}  # tied
+        for shape in shapes:
+            sequence = approx == 'expand' or shape.a_diagonal
+            assert shape.rows == (3 * 8 if sequence else 3), shape
 
 
 def test_transformer_attention_projections_are_preconditioned() -> None:
@@ -354,3 +456,47 @@ def test_run_model_and_report_smoke() -> None:
     )
     assert '| mlp | sgd |' in text
     assert 'eigen 10/100 x SGD' in text
+
+
+def test_run_model_reports_reduce_beside_expand(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A GPT-style model (embedding, tied head, attention): both
+    approximations are run, each against the floor of its own statistics.
+    """
+    tokens = torch.randint(0, 13, (4, 3, 9))
+    bench = Bench(
+        'gpt',
+        _small_gpt(),
+        tokens[:, :, :-1],
+        tokens[:, :, 1:],
+        lambda y, t: F.cross_entropy(y.flatten(0, 1), t.flatten()),
+        skip_layers=(),
+        kfac_options={'loss_average': 'batch+sequence'},
+    )
+    monkeypatch.setattr('benchmarks.summary.build', lambda name: bench)
+    result = run_model(
+        'gpt',
+        device=torch.device('cpu'),
+        steps=10,
+        fi_steps=1,
+        full_cycle=False,
+    )
+    configs = result['configs']
+    assert list(configs) == [c.name for c in (*CONFIGS, *REDUCE_CONFIGS)]
+    for method in ('eigen', 'inverse'):
+        expand = configs[f'{method} 10/100']['phases']['factor_capture']
+        reduce = configs[f'{method} 10/100 reduce']['phases']['factor_capture']
+        # (this tiny model's capture is bound by bytes, equal in both)
+        assert 0 < reduce['floor_seconds'] <= expand['floor_seconds']
+        cycle = configs[f'{method} 10/100 reduce']['cycle']
+        assert cycle['ratio_to_sgd'] > 0
+    text = markdown(
+        {
+            'machine': machine_info(torch.device('cpu')),
+            'linalg': [],
+            'models': {'gpt': result},
+        }
+    )
+    assert '| gpt | eigen 10/100 reduce |' in text
+    assert '| gpt | reduce |' in text  # the summary row

@@ -7,6 +7,7 @@ one process and, in one shared launch, on two gloo processes.
 
 from __future__ import annotations
 
+import gzip
 import json
 import logging
 import pathlib
@@ -17,6 +18,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from examples import char_lm
 from examples import comparison
 from examples import fashion_mnist
 from examples import resnet
@@ -339,3 +341,74 @@ def _factors(state: dict[str, Any]) -> dict[str, torch.Tensor]:
         for layer, factors in state['layers'].items()
         for name, tensor in factors.items()
     }
+
+
+# The character language model (examples/char_lm.py) ------------------------
+
+#: Ten steps of a 2-block model on 8 x 32 characters; evaluated at 0, 5, 10.
+LM_QUICK = [
+    '--steps',
+    '10',
+    '--warmup',
+    '2',
+    '--batch-size',
+    '8',
+    '--context',
+    '32',
+    '--width',
+    '32',
+    '--depth',
+    '2',
+    '--heads',
+    '2',
+    '--eval-every',
+    '5',
+    '--eval-sequences',
+    '16',
+    '--kfac-inv-update-steps',
+    '5',
+]
+
+
+def test_char_lm_learns_and_plots(
+    tmp_path: pathlib.Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    plot = tmp_path / 'lm.png'
+    histories = char_lm.main([*LM_QUICK, '--plot', str(plot)])
+    assert list(histories) == ['adamw', 'kfac']
+    adamw, kfac = histories['adamw'], histories['kfac']
+    for h in (adamw, kfac):
+        assert h.steps == [0, 5, 10]
+        assert h.seconds[0] == 0.0 < h.seconds[1] < h.seconds[2]
+        # from about ln(63) = 4.14 nats per character; measured: 3.5 and
+        # below after 10 steps with either optimizer
+        assert h.val_loss[-1] < h.val_loss[0] - 0.3
+    assert adamw.val_loss[0] == kfac.val_loss[0]  # the same start
+    assert adamw.val_loss[1] != kfac.val_loss[1]  # K-FAC changed the steps
+    assert plot.read_bytes()[:8] == b'\x89PNG\r\n\x1a\n'
+    out = capsys.readouterr().out
+    assert f'to {adamw.val_loss[-1]:.4f}' in out
+    assert 'AdamW + K-FAC' in out
+
+
+def test_char_lm_corpus_split_and_errors(tmp_path: pathlib.Path) -> None:
+    corpus = char_lm.load_corpus(char_lm.CORPUS)
+    total = len(corpus.train) + len(corpus.valid)
+    blocks = -(-total // char_lm.BLOCK)
+    assert len(corpus.valid) == char_lm.BLOCK * (blocks // char_lm.HOLD_OUT)
+    assert corpus.vocab == 63 and corpus.alphabet[0] == '\n'
+    # the first held-out block is the tenth block of the text
+    text = gzip.decompress(char_lm.CORPUS.read_bytes()).decode()
+    start = (char_lm.HOLD_OUT - 1) * char_lm.BLOCK
+    first = ''.join(corpus.alphabet[i] for i in corpus.valid[:50])
+    assert first == text[start : start + 50]
+    with pytest.raises(FileNotFoundError, match='--corpus'):
+        char_lm.load_corpus(tmp_path / 'missing.txt')
+    short = tmp_path / 'short.txt'
+    short.write_text('in the beginning')
+    with pytest.raises(ValueError, match='at least'):
+        char_lm.load_corpus(short)
+    history = char_lm.History('kfac', [0, 5, 10], [4.0, 3.0, 2.5], [0, 1, 2])
+    assert history.reaching(3.0) == (5, 1)
+    assert history.reaching(2.0) is None
+    assert '-' in char_lm.format_summary([history], 2.0).splitlines()[1]
