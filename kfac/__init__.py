@@ -11,6 +11,7 @@ from __future__ import annotations
 from kfac import assignment
 from kfac import base_preconditioner
 from kfac import capture
+from kfac import checkpoint
 from kfac import config
 from kfac import distributed
 from kfac import enums
@@ -22,6 +23,7 @@ from kfac import placement
 from kfac import preconditioner
 from kfac import report
 from kfac import scheduler
+from kfac import sharding
 from kfac import state
 from kfac import tracing
 from kfac import validation
@@ -33,6 +35,7 @@ __all__ = [
     'assignment',
     'base_preconditioner',
     'capture',
+    'checkpoint',
     'config',
     'distributed',
     'enums',
@@ -44,6 +47,7 @@ __all__ = [
     'preconditioner',
     'report',
     'scheduler',
+    'sharding',
     'state',
     'tracing',
     'validation',

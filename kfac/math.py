@@ -202,13 +202,16 @@ def symmetric_eigh(
         dtype: the dtype to compute in.
 
     Returns:
-        Q: `(n, n)`, the orthonormal eigenvectors as columns.
+        Q: `(n, n)`, the orthonormal eigenvectors as columns (row-major).
         d: `(n,)`, the eigenvalues clamped at 0 (a PSD factor's negative
             eigenvalues are rounding error).
 
     """
     d, q = torch.linalg.eigh(factor.to(dtype))
-    return q, d.clamp_(min=0.0)
+    # eigh returns Q column-major; a row-major copy is what a rank that
+    # receives Q (or loads it from a checkpoint) holds, so products with Q
+    # round the same on every rank and after a resume.
+    return q.contiguous(), d.clamp_(min=0.0)
 
 
 def eigenvalue_outer_product(
@@ -273,7 +276,8 @@ def damped_inverse_ex(
     damped = factor.to(dtype=dtype, copy=True)
     damped.diagonal().add_(shift)
     lower, info = torch.linalg.cholesky_ex(damped)
-    inverse: torch.Tensor = torch.cholesky_inverse(lower)
+    # Row-major, as a received or loaded inverse is (see symmetric_eigh).
+    inverse: torch.Tensor = torch.cholesky_inverse(lower).contiguous()
     return inverse, info
 
 

@@ -79,29 +79,32 @@ def batch(step: int) -> torch.Tensor:
     )
 
 
-def train(
+def build(
+    model: nn.Module, config: dict[str, Any]
+) -> tuple[KFACPreconditioner, torch.optim.Optimizer]:
+    """The preconditioner (with `config`) and optimizer of the oracles."""
+    precon = KFACPreconditioner(
+        model,
+        loss_average='batch+sequence',
+        inv_update_steps=2,
+        damping=0.01,
+        kl_clip=0.01,
+        **config,
+    )
+    return precon, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+
+
+def run(
     model: nn.Module,
-    config: dict[str, Any] | None,
+    precon: KFACPreconditioner | None,
+    optimizer: torch.optim.Optimizer,
+    steps: range,
     part: tuple[int, int] = (0, 1),
-    steps: int = STEPS,
-) -> KFACPreconditioner | None:
-    """SGD (+ K-FAC with `config`, unless None) on part `i` of `n` of each
-    global batch; returns the preconditioner.
-    """
-    precon = None
-    if config is not None:
-        precon = KFACPreconditioner(
-            model,
-            loss_average='batch+sequence',
-            inv_update_steps=2,
-            damping=0.01,
-            kl_clip=0.01,
-            **config,
-        )
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+) -> None:
+    """Train on part `i` of `n` of the global batch of each step."""
     index, parts = part
     per_rank = GLOBAL_BATCH // parts
-    for step in range(steps):
+    for step in steps:
         tokens = batch(step)[index * per_rank : (index + 1) * per_rank]
         optimizer.zero_grad()
         logits = model(tokens[:, :-1])
@@ -110,6 +113,23 @@ def train(
         if precon is not None:
             precon.step()
         optimizer.step()
+
+
+def train(
+    model: nn.Module,
+    config: dict[str, Any] | None,
+    part: tuple[int, int] = (0, 1),
+    steps: int = STEPS,
+) -> KFACPreconditioner | None:
+    """SGD (+ K-FAC with `config`, unless None) for `steps` steps on part
+    `i` of `n` of each global batch; returns the preconditioner.
+    """
+    if config is None:
+        sgd = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        run(model, None, sgd, range(steps), part)
+        return None
+    precon, optimizer = build(model, config)
+    run(model, precon, optimizer, range(steps), part)
     return precon
 
 
