@@ -57,6 +57,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
+from kfac.checkpoint import dcp_state
+from kfac.checkpoint import load_dcp
 from kfac.layers.attention import convert_attention
 from kfac.preconditioner import KFACPreconditioner
 
@@ -343,8 +345,6 @@ def save(
         'step': torch.tensor(step),
     }
     if kfac is not None:
-        from kfac.checkpoint import dcp_state
-
         state['kfac'] = dcp_state(kfac)
     path = pathlib.Path(directory) / f'step_{step}'
     dcp_save(state, checkpoint_id=path)
@@ -386,8 +386,6 @@ def resume(
         optim_state_dict=state['optim'],
     )
     if kfac is not None:
-        from kfac.checkpoint import load_dcp
-
         load_dcp(kfac, path)
     step = int(state['step'])
     logger.info('resumed from %s (step %d)', path, step)
