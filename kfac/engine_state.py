@@ -213,8 +213,8 @@ class EngineState:
         recompute = []
         for name, layer in self._layers.items():
             entry = saved.layers.get(name, SavedLayer({}))
-            for f in FACTOR_NAMES:
-                layer.set_factor(f, entry.factors.get(f))
+            for factor in layer.factors:
+                layer.set_factor(factor.name, entry.factors.get(factor.name))
             layer.clear_decompositions()
             self._decomposed.discard(name)
             restored = entry.decomposition

@@ -36,6 +36,9 @@ from kfac.layers.register import Registration
 from kfac.layers.register import register_model
 from kfac.layers.statistics import DEFAULT_LOSS_AVERAGE
 from kfac.layers.statistics import LossAverage
+from kfac.layers.tied import KFACTiedEigenLayer
+from kfac.layers.tied import KFACTiedInverseLayer
+from kfac.layers.tied import TiedHelper
 from kfac.report import describe_registration
 from kfac.report import format_report
 from kfac.sharding import check_model
@@ -55,15 +58,16 @@ def _unwrap(model: nn.Module) -> nn.Module:
 
 
 def _make_layer(helper: ModuleHelper, config: KFACConfig) -> KFACBaseLayer:
+    tied = isinstance(helper, TiedHelper)
     if config.compute_method is ComputeMethod.EIGEN:
-        return KFACEigenLayer(
+        return (KFACTiedEigenLayer if tied else KFACEigenLayer)(
             helper,
             prediv_eigenvalues=config.compute_eigenvalue_outer_product,
             factor_dtype=config.factor_dtype,
             inv_dtype=config.inv_dtype,
             loss_average=config.loss_average,
         )
-    return KFACInverseLayer(
+    return (KFACTiedInverseLayer if tied else KFACInverseLayer)(
         helper,
         factor_dtype=config.factor_dtype,
         inv_dtype=config.inv_dtype,

@@ -16,6 +16,7 @@ from typing import Any
 from kfac.layers.base import KFACBaseLayer
 from kfac.layers.blocks import BlockHelper
 from kfac.layers.register import Registration
+from kfac.layers.tied import TiedHelper
 
 
 def describe_registration(
@@ -34,7 +35,10 @@ def describe_registration(
             module whose factors exceed `max_factor_dim`: `module`,
             `index`, `count`, and the tile's `rows` (`G`) and `cols` (`A`)
             of the module's gradient matrix as `[start, stop]`; see
-            [`kfac.layers.blocks`][kfac.layers.blocks]); the other entries
+            [`kfac.layers.blocks`][kfac.layers.blocks]) and `tied` (None,
+            or for a weight tied in transposed roles: the `embedding` and
+            `head` names and the combination `rule`; see
+            [`kfac.layers.tied`][kfac.layers.tied]); the other entries
             have `name`, `type`, `parameters` (the module's own) and
             `reason`.
     """
@@ -58,6 +62,7 @@ def describe_registration(
                 },
                 'shares_weight_with': list(registration.aliases.get(name, [])),
                 'block': _block(registration, name, layer),
+                'tied': _tied(layer),
             }
         )
     others = [
@@ -77,6 +82,8 @@ def _block(
 ) -> dict[str, Any] | None:
     """The tile a layer is of its module, or None."""
     helper = layer.module
+    if isinstance(helper, TiedHelper):
+        helper = helper.embedding
     if not isinstance(helper, BlockHelper):
         return None
     return {
@@ -86,6 +93,24 @@ def _block(
         'rows': [helper.rows.start, helper.rows.stop],
         'cols': [helper.cols.start, helper.cols.stop],
     }
+
+
+TIED_RULE = (
+    'one Kronecker product for the sum of both uses, A_e (x) G_e + G_h (x) '
+    'A_h in the embedding orientation: A = sum_u m(Y_u) X_u / sqrt(C), '
+    'G = sum_u m(X_u) Y_u / sqrt(C), m = mean eigenvalue, '
+    'C = sum_u m(X_u) m(Y_u) (kfac.math.kronecker_sum_factors)'
+)
+"""How a weight tied in transposed roles is preconditioned, as reported."""
+
+
+def _tied(layer: KFACBaseLayer) -> dict[str, Any] | None:
+    """The uses of a weight tied in transposed roles, or None."""
+    helper = layer.module
+    if not isinstance(helper, TiedHelper):
+        return None
+    embedding, head = helper.names
+    return {'embedding': embedding, 'head': head, 'rule': TIED_RULE}
 
 
 def format_report(report: Mapping[str, list[dict[str, Any]]]) -> str:
@@ -109,8 +134,14 @@ def format_report(report: Mapping[str, list[dict[str, Any]]]) -> str:
                 f'{_span(block["rows"])}, columns {_span(block["cols"])}); '
                 + options
             )
+        tied = entry['tied']
+        if tied is not None:
+            options = (
+                f'weight tied: embedding {tied["embedding"]} and head '
+                f'{tied["head"]} (transposed), {tied["rule"]}; ' + options
+            )
         shared = entry['shares_weight_with']
-        if shared:
+        if shared and tied is None:
             options += f'; weight shared with {", ".join(shared)}'
         lines.append(
             f'  {entry["name"]} ({entry["type"]}): A {_shape(entry["A"])}, '

@@ -9,10 +9,11 @@ dicts, so `torch.load(path, weights_only=True)` reads it:
 
 ```python
 {
-    'version': 1,
+    'version': 2,
     'steps': int,
     'hyperparameters': {name: value},   # the non-callable ones
     'layers': {module name: {'A': tensor, 'G': tensor}},  # (n, n) or (n,)
+    # a tied layer: {'<use>:A': ..., '<use>:G': ...} per use instead
     'decompositions': {                 # optional
         module name: {'format': str, 'A': [tensor, ...], 'G': [...]},
     },
@@ -40,8 +41,14 @@ from typing import TypedDict
 
 import torch
 
-STATE_VERSION = 1
+STATE_VERSION = 2
 """The format version written by this version of kfac."""
+
+READABLE_VERSIONS = (1, 2)
+"""The format versions this version of kfac loads. Version 2 adds the
+per-use factors of a weight tied in transposed roles (`'<module>:A'`,
+`'<module>:G'`, see [`kfac.layers.tied`][kfac.layers.tied]); a version 1
+state is a version 2 state without them, loaded as it is."""
 
 FACTOR_KEYS = ('A', 'G')
 """The factor entries of a layer."""
@@ -152,10 +159,10 @@ def _check_header(state: object) -> Mapping[str, object]:
             f'state_dict must be a mapping; got {type(state).__name__}',
         )
     version = state.get('version')
-    if version != STATE_VERSION:
+    if version not in READABLE_VERSIONS or isinstance(version, bool):
         raise ValueError(
             f'state_dict has format version {version!r}; this version of '
-            f'kfac reads version {STATE_VERSION}',
+            f'kfac reads versions {", ".join(map(str, READABLE_VERSIONS))}',
         )
     for key in ('steps', 'layers', 'hyperparameters'):
         if key not in state:
@@ -191,10 +198,10 @@ def _layer_problems(
             problems.append(f'layers.{name} is not a mapping')
             continue
         for key, tensor in entry.items():
-            if key not in FACTOR_KEYS:
+            spec = specs[name]
+            if key not in spec.factor_dims:
                 problems.append(f'unexpected entry layers.{name}.{key}')
                 continue
-            spec = specs[name]
             dim = spec.factor_dims[key]
             expected = (dim,) if key in spec.diagonal_factors else (dim, dim)
             shape = tuple(getattr(tensor, 'shape', ()))

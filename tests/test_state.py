@@ -211,6 +211,7 @@ def test_non_strict_load_skips_missing_and_unexpected_layers() -> None:
     [
         (lambda s: s.update(version=99), ValueError, 'format version 99'),
         (lambda s: s.pop('version'), ValueError, 'format version None'),
+        (lambda s: s.update(version=True), ValueError, 'reads versions 1, 2'),
         (lambda s: s.pop('steps'), ValueError, "missing the entry 'steps'"),
         (lambda s: s.pop('layers'), ValueError, "missing the entry 'layers'"),
     ],
@@ -221,6 +222,20 @@ def test_bad_state_headers(mutate: Any, error: type, match: str) -> None:
     mutate(state)
     with pytest.raises(error, match=match):
         precon.load_state_dict(state)
+
+
+def test_version_1_states_load() -> None:
+    """Version 2 only adds the per-use factors of tied weights."""
+    _, precon = trained()
+    state = precon.state_dict()
+    state['version'] = 1
+    _, other = trained()
+    other.load_state_dict(state)
+    for name, layer in precon.layers.items():
+        for factor in layer.factors:
+            loaded = other.layers[name].factor(factor.name).value
+            assert loaded is not None and factor.value is not None
+            assert torch.equal(loaded, factor.value)
 
 
 def test_state_must_be_a_mapping() -> None:

@@ -153,12 +153,15 @@ class KFACBaseLayer(
     @property
     def has_decomposition(self) -> bool:
         """Whether both factors' decompositions are held on this rank."""
-        return all(f.decomposition is not None for f in self.factors)
+        return all(
+            self.factor(name).decomposition is not None
+            for name in FACTOR_NAMES
+        )
 
     def clear_decompositions(self) -> None:
         """Drop both decompositions (a rank that is no gradient worker)."""
-        for factor in self.factors:
-            factor.decomposition = None
+        for name in FACTOR_NAMES:
+            self.factor(name).decomposition = None
 
     # Gradients -------------------------------------------------------------
 

@@ -47,6 +47,7 @@ import torch
 from torch import nn
 
 from kfac.layers.modules import ModuleHelper
+from kfac.layers.tied import TiedHelper
 from kfac.validation import validate_int
 
 __all__ = ['BlockHelper', 'block_helpers', 'split']
@@ -85,14 +86,14 @@ class BlockHelper(ModuleHelper):
         base: the helper of the whole module.
         rows: range of `G`'s side (rows of `V`).
         cols: range of `A`'s side (columns of `V`; for a module with a bias
-            its last index is the bias column). Must be the whole side when
-            `A` is diagonal.
+            its last index is the bias column). A diagonal `A` is sliced
+            only in a tied weight's tiles (see
+            [`kfac.layers.tied`][kfac.layers.tied]).
         index: the tile's position among the module's tiles.
         count: the module's number of tiles.
 
     Raises:
-        ValueError: a range that is empty or leaves the factor, or a
-            partial range of a diagonal `A`.
+        ValueError: a range that is empty or leaves the factor.
     """
 
     def __init__(
@@ -113,11 +114,6 @@ class BlockHelper(ModuleHelper):
                     f'{name} must be a non-empty slice of range({dim}); got '
                     f'{span}'
                 )
-        if base.a_diagonal and cols != slice(0, base.a_factor_shape[0]):
-            raise ValueError(
-                f'a diagonal A is never split; got cols={cols} of '
-                f'{base.a_factor_shape[0]}'
-            )
         self.module: nn.Module = base.module
         self.base = base
         """The helper of the whole module."""
@@ -203,10 +199,11 @@ class BlockHelper(ModuleHelper):
         dtype: torch.dtype,
     ) -> tuple[torch.Tensor, int]:
         """`(Σ ã ãᵀ, rows)` restricted to the tile's columns (the
-        diagonal's range of a diagonal `A`, which is never split).
+        diagonal's range of a diagonal `A`).
         """
         if self.a_diagonal:
-            return self.base.a_statistic(layer_input, dtype)
+            total, count = self.base.a_statistic(layer_input, dtype)
+            return total[self.cols], count
         return super().a_statistic(layer_input, dtype)
 
     def a_columns(
@@ -279,6 +276,23 @@ def block_helpers(
     tiles = [(r, c) for r in rows for c in cols]
     prefix = f'{name}.' if name else ''  # the model itself: no leading dot
     return [
-        (f'{prefix}block{k}', BlockHelper(helper, r, c, index=k, count=count))
+        (f'{prefix}block{k}', _tile(helper, r, c, k, count))
         for k, (r, c) in enumerate(tiles)
     ]
+
+
+def _tile(
+    helper: ModuleHelper, rows: slice, cols: slice, index: int, count: int
+) -> ModuleHelper:
+    """Tile `(rows, cols)` of `helper`; of a tied weight, the tied pair of
+    the embedding's tile and the head's transposed one.
+    """
+    if isinstance(helper, TiedHelper):
+        return TiedHelper(
+            BlockHelper(
+                helper.embedding, rows, cols, index=index, count=count
+            ),
+            BlockHelper(helper.head, cols, rows, index=index, count=count),
+            helper.names,
+        )
+    return BlockHelper(helper, rows, cols, index=index, count=count)

@@ -137,6 +137,13 @@ class DecompositionAttempts:
         valid = first is not None and bool(first.valid)
         return self.finish_decomposition(name, damping, first, valid)
 
+    def decomposition_input(self, name: str) -> torch.Tensor | None:
+        """The matrix decomposed for factor `name`: its running average
+        (a tied layer combines those of its uses), None before the first
+        update.
+        """
+        return self.factor(name).value
+
     def _attempts(self) -> list[tuple[torch.dtype, float]]:
         """`(dtype, relative jitter)` of each attempt, in order."""
         return attempt_plan(self.decomposition_dtype)
@@ -155,7 +162,7 @@ class DecompositionAttempts:
         Returns:
             The attempt, or None when the routine raised `LinAlgError`.
         """
-        value = self.factor(name).value
+        value = self.decomposition_input(name)
         if value is None:
             raise RuntimeError(f'factor {name} of {self} has no value yet')
         dtype, jitter = self._attempts()[attempt]

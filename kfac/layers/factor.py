@@ -43,6 +43,9 @@ class Captured(NamedTuple):
     """The multiplier of the rows."""
     counted: bool
     """Whether the statistic's count adds to the batch's count."""
+    use: int = 0
+    """Which use of a weight tied in transposed roles the capture came
+    from (see [`kfac.layers.tied`][kfac.layers.tied])."""
 
 
 class KroneckerFactor:

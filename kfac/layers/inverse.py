@@ -36,7 +36,7 @@ class KFACInverseLayer(KFACBaseLayer):
         dtype: torch.dtype,
         damping: float,
     ) -> Decomposed:
-        a, g = self.a.value, self.g.value
+        a, g = self.decomposition_input('A'), self.decomposition_input('G')
         if a is None or g is None:
             raise RuntimeError(f'{self} has no factors yet')
         if self.a.diagonal:  # a 1 x 1 factor with the same tr A / dim A

@@ -28,6 +28,7 @@ from kfac.layers.options import check_module_options
 from kfac.layers.options import check_pattern
 from kfac.layers.options import resolve_options
 from kfac.layers.options import selects
+from kfac.layers.tied import TiedHelper
 
 KNOWN_MODULES: dict[type[nn.Module], type[ModuleHelper]] = {
     nn.Linear: LinearModuleHelper,
@@ -327,9 +328,12 @@ def _tie(
     """Group the modules that share a weight (in place).
 
     Modules sharing a weight in the same role (same helper type, gradient
-    shape and bias) become one layer, the first one's; a weight shared in
-    another role (an embedding tied to an output head, a module that is not
-    preconditioned) leaves every module using it to the optimizer: one
+    shape and bias) become one layer, the first one's; an embedding tied
+    to a bias-free Linear head becomes one
+    [`TiedHelper`][kfac.layers.tied.TiedHelper] layer, the first one's,
+    combining both uses (see [`kfac.layers.tied`][kfac.layers.tied]); a
+    weight shared in another role (a module that is not preconditioned, a
+    head with a bias) leaves every module using it to the optimizer: one
     `.grad` is never preconditioned twice, nor with the factors of one use
     alone.
     """
@@ -355,6 +359,13 @@ def _tie(
             for user in others:
                 del helpers[user]
             continue
+        tied = _transposed(helpers, users)
+        if tied is not None:
+            helpers[first] = tied
+            aliases[first] = others
+            for user in others:
+                del helpers[user]
+            continue
         for user in users:
             if helpers.pop(user, None) is not None:
                 shared = ', '.join(u for u in users if u != user)
@@ -368,6 +379,25 @@ def _tie(
                     Skipped(user, type(module).__name__, own, reason)
                 )
     return aliases
+
+
+def _transposed(
+    helpers: Mapping[str, ModuleHelper], users: list[str]
+) -> TiedHelper | None:
+    """The tied helper of an embedding and a bias-free Linear head sharing
+    its weight, or None for any other set of users.
+    """
+    if len(users) != 2:
+        return None
+    by_kind = {type(helpers.get(user)): user for user in users}
+    emb_name = by_kind.get(EmbeddingModuleHelper)
+    head_name = by_kind.get(LinearModuleHelper)
+    if emb_name is None or head_name is None:
+        return None
+    embedding, head = helpers[emb_name], helpers[head_name]
+    if head.bias is not None:
+        return None
+    return TiedHelper(embedding, head, (emb_name, head_name))
 
 
 def register_modules(

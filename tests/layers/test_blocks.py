@@ -390,8 +390,10 @@ def test_block_helper_checks_and_forwards() -> None:
     with pytest.raises(ValueError, match=r'cols must be a non-empty slice'):
         BlockHelper(base, slice(0, 2), slice(0, 5))
     emb = EmbeddingModuleHelper(nn.Embedding(5, 4))
-    with pytest.raises(ValueError, match='a diagonal A is never split'):
-        BlockHelper(emb, slice(0, 2), slice(0, 3))
+    part = BlockHelper(emb, slice(0, 2), slice(1, 4))  # a tied weight's tile
+    counts, rows = part.a_statistic(torch.tensor([[1, 1, 4, 0]]), F64)
+    assert torch.equal(counts, torch.tensor([2.0, 0.0, 0.0], dtype=F64))
+    assert rows == 4
     tile = BlockHelper(base, slice(0, 2), slice(2, 4))
     assert 'rows=slice(0, 2, None)' in repr(tile)
     tile.batch_first = False

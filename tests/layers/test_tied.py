@@ -92,27 +92,37 @@ class _TiedHead(nn.Module):
         return out
 
 
-def test_a_weight_tied_in_transposed_roles_is_left_to_the_optimizer() -> None:
-    """Never preconditioned with the factors of one use alone."""
+def test_a_weight_tied_in_transposed_roles_is_one_layer() -> None:
+    """One layer, the first name's, combining both uses (the oracles are
+    in test_tied_transposed.py); the head's calls feed it.
+    """
     model = _TiedHead().double()
     precon = KFACPreconditioner(model)
-    assert list(precon.layers) == ['mix']
-    reasons = {
-        e['name']: e['reason'] for e in precon.describe()['not_preconditioned']
-    }
-    assert reasons == {
-        'embed': 'weight shared with head in another role: left to the '
-        'optimizer',
-        'head': 'weight shared with embed in another role: left to the '
-        'optimizer',
-    }
+    assert list(precon.layers) == ['embed', 'mix']
+    assert precon.describe()['not_preconditioned'] == []
     tokens = torch.randint(0, 11, (3, 5))
     F.cross_entropy(model(tokens).flatten(0, 1), tokens.flatten()).backward()
     raw = model.embed.weight.grad
     assert raw is not None
     raw = raw.clone()
     precon.step()
-    assert torch.equal(model.embed.weight.grad, raw)  # type: ignore[arg-type]
+    assert not torch.equal(model.embed.weight.grad, raw)  # type: ignore[arg-type]
+
+
+def test_a_tied_head_with_a_bias_is_left_to_the_optimizer() -> None:
+    """Never preconditioned with the factors of one use alone."""
+    model = _TiedHead()
+    model.head = nn.Linear(6, 11)
+    model.head.weight = model.embed.weight
+    registration = register_model(model)
+    assert list(registration.helpers) == ['mix']
+    reasons = {s.name: s.reason for s in registration.skipped}
+    assert reasons == {
+        'embed': 'weight shared with head in another role: left to the '
+        'optimizer',
+        'head': 'weight shared with embed in another role: left to the '
+        'optimizer',
+    }
 
 
 def test_shared_weight_with_different_biases_or_unregistered_owner() -> None:
