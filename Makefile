@@ -73,6 +73,15 @@ clean:
 bench: $(STAMP)
 	$(PY) -m benchmarks --out build/bench.json
 
+# `make bench-fsdp`: K-FAC under FSDP2 at 2 and 4 gloo ranks: bytes per step
+# and rank beside FSDP2's own (measured and checked against their formulas),
+# then memory per rank, memory_usage() and a measured peak, against DDP
+# (docs/guide/distributed.md). A few minutes; prints Markdown.
+.PHONY: bench-fsdp
+bench-fsdp: $(STAMP)
+	$(PY) -m benchmarks.fsdp_bytes
+	$(PY) -m benchmarks.fsdp_memory
+
 # `make gpu-check`: the CUDA and NCCL paths (oracles in float64 and float32,
 # autocast with a GradScaler, robustness, host syncs, the DDP oracle with
 # NCCL, the benchmarks) on this machine's GPUs, in at most ~8 minutes. Uses
