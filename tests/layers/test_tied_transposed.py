@@ -283,3 +283,36 @@ def test_tied_helper_checks() -> None:
         TiedHelper(helper.head, helper.embedding, ('head', 'wte'))
     with pytest.raises(TypeError, match='needs a TiedHelper'):
         KFACTiedEigenLayer(helper.head)
+
+
+def test_tied_layer_edges() -> None:
+    """No use ran (nothing to update, nothing to decompose), the model
+    moves to another dtype (the decompositions follow), and a weight used
+    by three modules is left to the optimizer.
+    """
+    model = TiedLM(5)
+    precon = KFACPreconditioner(model, kl_clip=None)
+    layer = precon.layers['wte']
+    assert layer.update_factors(0.9) is None
+    assert layer.decomposition_input('A') is None and not layer.has_factors
+    idx, y = _data(5)
+    _loss(model(idx), y).backward()
+    precon.step()
+    assert layer.has_decomposition
+    model.double()
+    assert layer.follow_module()
+    decomposition = layer.decomposition('A')
+    assert decomposition is not None
+    assert all(t.dtype == F64 for t in decomposition)
+    model.zero_grad()
+    _loss(model(idx), y).backward()
+    precon.step()  # float64 end to end
+    assert all(
+        f.value is not None and f.value.dtype == F64 for f in layer.factors
+    )
+    third = TiedLM(5)
+    third.mix = nn.Linear(5, DIM, bias=False)  # weight (3, 5): a third user
+    third.mix.weight = third.wte.weight
+    registration = register_model(third)
+    assert registration.helpers == {}
+    assert {s.name for s in registration.skipped} == {'wte', 'mix', 'head'}
