@@ -41,13 +41,19 @@ from kfac.math import kl_clip_scale
 from kfac.sharding import GatheredGrads
 from kfac.sharding import gather_grads
 from kfac.sharding import is_sharded
+from kfac.sharding import local_grads
+from kfac.sharding import setup_local_mode
 from kfac.tracing import PhaseTimer
 from kfac.validation import check_bool
+from kfac.validation import check_choice
 from kfac.validation import check_instance
 from kfac.validation import check_mapping
 from kfac.validation import validate_int
 
-__all__ = ['BaseKFACPreconditioner', 'GradScalerLike']
+__all__ = ['SHARD_MODES', 'BaseKFACPreconditioner', 'GradScalerLike']
+
+SHARD_MODES = ('lossless', 'local')
+"""How gradients of FSDP2-sharded parameters are preconditioned."""
 
 logger = logging.getLogger(__name__)
 
@@ -75,6 +81,11 @@ class BaseKFACPreconditioner(EngineState):
         loglevel: level of the preconditioner's informational messages.
         aliases: per layer name, further modules sharing its weight whose
             calls count as calls of its module.
+        shard_mode: for parameters sharded by FSDP2 (DTensors):
+            `'lossless'` gathers each layer's whole gradient and equals one
+            process; `'local'` preconditions each rank's rows alone, with
+            the factor on the sharded side made block-diagonal by shard
+            (no gradient communication; see [`kfac.sharding`][kfac.sharding]).
 
     """
 
@@ -91,6 +102,7 @@ class BaseKFACPreconditioner(EngineState):
         bucketed: bool = True,
         loglevel: int = logging.DEBUG,
         aliases: Mapping[str, Sequence[nn.Module]] | None = None,
+        shard_mode: str = 'lossless',
     ) -> None:
         check_mapping('layers', layers, KFACBaseLayer, 'KFACBaseLayer')
         check_instance(
@@ -112,6 +124,7 @@ class BaseKFACPreconditioner(EngineState):
             'None or a kfac.distributed.TorchDistributedCommunicator',
         )
         check_bool('bucketed', bucketed)
+        self.shard_mode = check_choice('shard_mode', shard_mode, SHARD_MODES)
         check_bool('update_factors_in_hook', update_factors_in_hook)
         check_grad_scaler(grad_scaler)
         self.hyperparameters = hyperparameters or Hyperparameters()
@@ -128,6 +141,9 @@ class BaseKFACPreconditioner(EngineState):
         self._values: tuple[int, HyperparameterValues] | None = None
         self._finished: set[str] = set()
         self._reduction = FactorReduction(self.communicator, bucketed=bucketed)
+        self._local_group = None
+        if self.shard_mode == 'local':
+            self._local_group = setup_local_mode(self._layers, assignment)
         self._decomposed: set[str] = set()
         self.counters: Counter[str] = Counter()
         """Preconditioner-wide fault counters (see `metrics`)."""
@@ -348,6 +364,8 @@ class BaseKFACPreconditioner(EngineState):
         ]
         if not any(map(is_sharded, params)):
             return GatheredGrads()
+        if self._local_group is not None:
+            return local_grads(params)
         with self._phase('grad_gather'):
             return gather_grads(self.communicator, params)
 
@@ -392,6 +410,8 @@ class BaseKFACPreconditioner(EngineState):
             vg = torch.stack(
                 [layer.grad_inner_product() for _, layer in layers]
             )
+            if self._local_group is not None:
+                vg = self._sum_over_shards(vg)
             finite = torch.isfinite(vg)
             scale = None
             if values.kl_clip is not None:
@@ -412,6 +432,17 @@ class BaseKFACPreconditioner(EngineState):
                     name,
                     self._steps,
                 )
+
+    def _sum_over_shards(self, vg: torch.Tensor) -> torch.Tensor:
+        """Local mode: each rank's inner products cover its own rows; sum
+        them over the shard group.
+        """
+        group = self._local_group
+        assert group is not None  # local mode only
+        with self._phase('kl_clip_allreduce'):
+            return self.communicator.allreduce(
+                vg, group=group, average=False
+            ).wait()
 
     # Housekeeping ------------------------------------------------------------
 

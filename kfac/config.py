@@ -80,6 +80,7 @@ class KFACConfig:
     kfac_approx: str = 'expand'
     module_options: Mapping[str, Mapping[str, Any]] | None = None
     max_factor_dim: int | None = DEFAULT_MAX_FACTOR_DIM
+    shard_mode: str = 'lossless'
 
     def __post_init__(self) -> None:
         checked = {
@@ -120,6 +121,9 @@ class KFACConfig:
             'max_factor_dim': None
             if self.max_factor_dim is None
             else validate_int('max_factor_dim', self.max_factor_dim),
+            'shard_mode': check_choice(
+                'shard_mode', self.shard_mode, ('lossless', 'local')
+            ),
             'module_options': {
                 pattern: dict(options)
                 for pattern, options in check_module_options(

@@ -139,6 +139,14 @@ class KFACPreconditioner(BaseKFACPreconditioner):
             per module (`batch_first`, `kfac_approx`, `max_factor_dim`):
             `{pattern: {option: value}}`, a pattern selecting modules by
             dotted name or class name.
+        shard_mode: how gradients of a model sharded with FSDP2
+            `fully_shard` are preconditioned: `'lossless'` (the default:
+            each layer's whole gradient is gathered, preconditioned and
+            returned to the shards; equal to one process) or `'local'`
+            (each rank preconditions its own rows with the factor on the
+            sharded side made block-diagonal by shard; no gradient
+            communication; needs `grad_worker_fraction='comm_opt'`). See
+            [`kfac.sharding`][kfac.sharding].
 
     Every hyperparameter (`factor_update_steps` to `lr`) may also be a
     callable `step -> value`.
@@ -175,6 +183,7 @@ class KFACPreconditioner(BaseKFACPreconditioner):
         kfac_approx: str = 'expand',
         module_options: Mapping[str, Mapping[str, Any]] | None = None,
         max_factor_dim: int | None = DEFAULT_MAX_FACTOR_DIM,
+        shard_mode: str = 'lossless',
     ) -> None:
         check_instance('model', model, nn.Module, 'a torch.nn.Module')
         hyperparameters = Hyperparameters(
@@ -205,6 +214,7 @@ class KFACPreconditioner(BaseKFACPreconditioner):
             kfac_approx=kfac_approx,
             module_options=module_options,
             max_factor_dim=max_factor_dim,
+            shard_mode=shard_mode,
         )
         check_model(_unwrap(model))
         self.config = config
@@ -240,6 +250,7 @@ class KFACPreconditioner(BaseKFACPreconditioner):
             ),
             bucketed=config.allreduce_bucket_cap_mb > 0,
             loglevel=config.loglevel,
+            shard_mode=config.shard_mode,
             aliases={
                 name: [modules[alias] for alias in names]
                 for name, names in self.registration.aliases.items()

@@ -29,7 +29,9 @@ DTensor parameters and CPU offload.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from collections.abc import Iterable
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -44,16 +46,22 @@ from kfac.handles import Handle
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
 
+    from kfac.assignment import WorkAssignment
     from kfac.distributed import TorchDistributedCommunicator
+    from kfac.layers.base import KFACBaseLayer
 
 __all__ = [
     'GatheredGrads',
     'RowShard',
+    'block_mask',
     'check_model',
     'current_grad',
     'gather_grads',
     'is_sharded',
+    'local_grads',
+    'owner_labels',
     'row_shard',
+    'setup_local_mode',
 ]
 
 _WHOLE: dict[int, torch.Tensor] = {}
@@ -206,10 +214,148 @@ def gather_grads(
     return gathered
 
 
-def _check_attention(name: str, module: nn.Module) -> None:
-    from kfac.layers.attention import KFACMultiheadAttention
+def _unique(params: Iterable[torch.Tensor]) -> list[torch.Tensor]:
+    seen: set[int] = set()
+    unique = []
+    for param in params:
+        if id(param) not in seen:
+            seen.add(id(param))
+            unique.append(param)
+    return unique
 
+
+def _local_rows(param: torch.Tensor) -> torch.Tensor:
+    """This rank's rows of `param`'s gradient (zeros without one)."""
+    grad = param.grad
+    if grad is None:
+        grad = torch.zeros_like(param)
+    local: torch.Tensor = grad.to_local()  # type: ignore[attr-defined]
+    return local
+
+
+def local_grads(params: Iterable[torch.Tensor]) -> GatheredGrads:
+    """Whole-shaped gradients of the sharded `params` holding only this
+    rank's rows (zeros elsewhere); no communication (local mode).
+    """
+    held = GatheredGrads()
+    for param in _unique(params):
+        shard = row_shard(param)
+        if shard is None:
+            continue
+        local = _local_rows(param)
+        whole = local.new_zeros(param.shape)
+        whole[shard.span] = local
+        held.add(param, shard, whole)
+    return held
+
+
+def owner_labels(
+    params: Iterable[torch.Tensor], read: Callable[[], torch.Tensor | None]
+) -> torch.Tensor | None:
+    """Which shard owns each entry of a layer's gradient matrix `V`.
+
+    Holds, as the gradient of each sharded parameter, its rows' shard
+    index (`-1` for entries of plain parameters), and returns what
+    `read()` (the layer's `get_grad`) assembles from them: `V`'s entries
+    labelled by owner. None when no parameter is sharded. No
+    communication.
+    """
+    held = GatheredGrads()
+    for param in _unique(params):
+        shard = row_shard(param)
+        if shard is None:
+            continue
+        labels = torch.empty(param.shape, dtype=torch.float64)
+        chunk = -(-shard.rows // shard.size)
+        for index in range(shard.size):
+            labels[index * chunk : (index + 1) * chunk] = index
+        held.add(param, shard, labels)
+    if not len(held):
+        return None
+    try:
+        return read()
+    finally:
+        for param, _ in held._params:
+            _WHOLE.pop(id(param))
+
+
+def block_mask(labels: torch.Tensor) -> tuple[str, torch.Tensor]:
+    """The factor local mode makes block-diagonal, and its mask.
+
+    Args:
+        labels: [`owner_labels`][kfac.sharding.owner_labels] of a layer's
+            `V`: constant along rows when the shards split `V`'s rows (the
+            `G` side), along columns when they split its columns (an
+            embedding's `V = (∇W)ᵀ`: the `A` side).
+
+    Returns:
+        `('G' or 'A', mask)`: `mask[i, j]` is whether the same shard owns
+            rows (columns) `i` and `j`.
+
+    Raises:
+        ValueError: shards that split `V` neither by rows nor by columns.
+    """
+    if bool((labels == labels[:, :1]).all()):
+        side, owners = 'G', labels[:, 0]
+    elif bool((labels == labels[:1, :]).all()):
+        side, owners = 'A', labels[0, :]
+    else:
+        raise ValueError(
+            "shard_mode='local' needs shards that split a layer's "
+            'gradient matrix by rows or by columns',
+        )
+    return side, owners[:, None] == owners[None, :]
+
+
+def setup_local_mode(
+    layers: Mapping[str, KFACBaseLayer], assignment: WorkAssignment
+) -> ProcessGroup:
+    """Mask the factors of the sharded layers for local mode; return the
+    process group over which their shards are split.
+
+    Raises:
+        ValueError: a registered layer is not sharded, the layers are
+            sharded over different groups, or some rank is not a gradient
+            worker of every layer (local mode needs `COMM_OPT`).
+    """
+    groups: dict[int, ProcessGroup] = {}
+    plain = []
+    for name, layer in layers.items():
+        params = layer.module.parameters()
+        shards = [s for s in map(row_shard, params) if s is not None]
+        if len(shards) != len(params):
+            plain.append(name)
+            continue
+        groups.update((id(s.group), s.group) for s in shards)
+        labels = owner_labels(params, layer.module.get_grad)
+        assert labels is not None  # some parameter is sharded
+        side, mask = block_mask(labels)
+        if not layer.factor(side).diagonal:
+            layer.factor_masks[side] = mask
+    if plain:
+        raise ValueError(
+            "shard_mode='local' needs every registered layer sharded with "
+            f'fully_shard; not sharded: {", ".join(plain)}',
+        )
+    if len(groups) != 1:
+        raise ValueError(
+            "shard_mode='local' needs every layer sharded over the same "
+            f'process group; got {len(groups)} groups',
+        )
+    if assignment.broadcast_gradients() or not all(
+        assignment.is_grad_worker(name) for name in layers
+    ):
+        raise ValueError(
+            "shard_mode='local' needs grad_worker_fraction='comm_opt' "
+            '(every rank preconditions its own rows)',
+        )
+    return next(iter(groups.values()))
+
+
+def _check_attention(name: str, module: nn.Module) -> None:
     from torch.distributed.fsdp import FSDPModule
+
+    from kfac.layers.attention import KFACMultiheadAttention
 
     if (
         isinstance(module, FSDPModule)
@@ -226,6 +372,11 @@ def _check_attention(name: str, module: nn.Module) -> None:
 
 def check_model(model: nn.Module) -> None:
     """Refuse sharded set-ups whose gradients K-FAC cannot handle.
+
+    Every `fully_shard` module is resharded first (`FSDPModule.reshard()`:
+    the root keeps its parameters gathered after a forward pass, e.g. an
+    evaluation before the preconditioner is built), so that the hooks are
+    registered on the sharded parameters, the ones that get gradients.
 
     Raises:
         TypeError: the model uses FSDP1 (`FullyShardedDataParallel`).
@@ -249,6 +400,7 @@ def check_model(model: nn.Module) -> None:
                 '(FSDP2), which K-FAC supports',
             )
         if isinstance(module, FSDPModule):
+            module.reshard()
             group = module._get_fsdp_state()._fsdp_param_group
             if group is None:
                 continue

@@ -23,10 +23,11 @@ PHASES = (
     'precondition',
     'grad_broadcast',
     'kl_clip',
+    'kl_clip_allreduce',
     'write_back',
 )
-"""Phases of one step, in order (`grad_gather` only with sharded
-parameters)."""
+"""Phases of one step, in order (`grad_gather` and `kl_clip_allreduce`
+only with sharded parameters, in lossless and local mode)."""
 
 
 class PhaseTimer:

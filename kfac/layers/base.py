@@ -85,6 +85,7 @@ class KFACBaseLayer(
             loss_average=loss_average,
             loss_reduction=loss_reduction,
         )
+        self.factor_masks = {}
         self.grad: torch.Tensor | None = None
         """The preconditioned gradient of the current step, if any."""
         self.raw_grad: torch.Tensor | None = None

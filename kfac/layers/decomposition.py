@@ -100,6 +100,10 @@ class DecompositionAttempts:
     decomposition_dtype: torch.dtype
     inv_dtype: torch.dtype
     counters: Counter[str]
+    factor_masks: dict[str, torch.Tensor]
+    """Per factor name, a boolean mask applied to the matrix before it
+    is decomposed (FSDP2 local mode: keep the blocks of rows one rank
+    owns; see [`kfac.sharding`][kfac.sharding])."""
 
     if TYPE_CHECKING:
 
@@ -165,6 +169,9 @@ class DecompositionAttempts:
         value = self.decomposition_input(name)
         if value is None:
             raise RuntimeError(f'factor {name} of {self} has no value yet')
+        mask = self.factor_masks.get(name)
+        if mask is not None:
+            value = value * mask.to(value.device)
         dtype, jitter = self._attempts()[attempt]
         matrix = prepare(value, dtype, jitter)
         try:
