@@ -3,10 +3,10 @@
 Run ``python -m benchmarks.fsdp_bytes`` (about a minute here): it trains
 the GPT-style model of ``examples/train_fsdp.py`` (vocabulary 99, so the
 shards are uneven, width 64, 2 blocks, ``fully_shard`` per block and at
-the root) at world sizes 2 and 4, COMM-OPT and MEM-OPT, for four steps
-with ``factor_update_steps=2`` and ``inv_update_steps=4`` (step 0 updates
-the factors and the decompositions, step 2 the factors, steps 1 and 3
-neither), and prints per step and rank:
+the root) at world sizes 2 and 4, COMM-OPT, MEM-OPT and local mode, for
+four steps with ``factor_update_steps=2`` and ``inv_update_steps=4`` (step
+0 updates the factors and the decompositions, step 2 the factors, steps 1
+and 3 neither), and prints per step and rank:
 
 * **K-FAC**, measured: ``precon.communicator.bytes_communicated`` by kind
   (``allreduce`` of the factors, ``broadcast`` of decompositions under
@@ -37,7 +37,9 @@ rows, which is what FSDP2 and K-FAC both pad to.
 So on the wire K-FAC's lossless mode costs one more all-gather of the
 preconditioned parameters per step, beside FSDP2's three passes (two
 all-gathers and a reduce-scatter); MEM-OPT adds the broadcast of every
-whole preconditioned gradient from its one worker.
+whole preconditioned gradient from its one worker. Local mode
+(``shard_mode='local'``, COMM-OPT, case ``local``) gathers nothing: it
+allreduces one number per layer over the shard group for the KL clip.
 """
 
 from __future__ import annotations
@@ -196,7 +198,8 @@ def measure_rank(
 ) -> None:
     """Every rank: train each ``(strategy, replicas)`` case ``steps``
     steps; write per-step bytes, measured and by formula, to
-    ``out_dir/rank<r>.json``.
+    ``out_dir/rank<r>.json``. Strategy ``'local'`` is COMM-OPT with
+    ``shard_mode='local'`` (no gradient all-gather).
     """
     # K-FAC's all_gather_into_tensor is deprecated in torch 2.13 in favour
     # of all_gather_single; the warning would repeat on every rank.
@@ -212,11 +215,13 @@ def measure_rank(
         shards = world // replicas
         model = train_fsdp.build_model(args, torch.device('cpu'))
         optimizer = train_fsdp.build_optimizer(model, args)
+        local = strategy == 'local'
         precon = KFACPreconditioner(
             model,
             factor_update_steps=2,
             inv_update_steps=4,
-            grad_worker_fraction=strategy,
+            grad_worker_fraction='comm_opt' if local else strategy,
+            shard_mode='local' if local else 'lossless',
             loss_average='batch+sequence',
         )
         per_rank = args.batch_size // world
@@ -229,7 +234,9 @@ def measure_rank(
         results[_label(strategy, replicas, world)] = {
             'steps': rows,
             'shards': shards,
-            'allgather_formula': kfac_allgather_formula(model, shards),
+            'allgather_formula': 0
+            if local
+            else kfac_allgather_formula(model, shards),
             'allgather_unpadded': sum(
                 p.numel() * p.element_size()
                 for p in preconditioned_params(model)
@@ -313,7 +320,7 @@ def main(argv: list[str] | None = None) -> int:
     ok = True
     print('## K-FAC under FSDP2: bytes per step and rank\n')
     for world in (2, 4):
-        ranks = run(world, [('comm_opt', 1), ('mem_opt', 1)])
+        ranks = run(world, [('comm_opt', 1), ('mem_opt', 1), ('local', 1)])
         ok &= matches(ranks)
         print(report(world, ranks) + '\n')
     print(

@@ -89,6 +89,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help='grad_worker_fraction: comm_opt, hybrid_opt, mem_opt or a float',
     )
     p.add_argument(
+        '--shard-mode',
+        choices=('lossless', 'local'),
+        default='lossless',
+        help="K-FAC's shard_mode (local needs --strategy comm_opt)",
+    )
+    p.add_argument(
         '--replicas',
         type=int,
         default=1,
@@ -253,6 +259,7 @@ def build_kfac(
         damping=args.damping,
         compute_method=args.compute_method,
         grad_worker_fraction=strategy,
+        shard_mode=args.shard_mode,
         loss_average='batch+sequence',  # the loss averages over tokens
         lr=lambda _: optimizer.param_groups[0]['lr'],
     )

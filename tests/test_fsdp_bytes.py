@@ -8,8 +8,9 @@ padded shard rows times the row size times the element size, summed over
 the preconditioned parameters
 (`benchmarks.fsdp_bytes.kfac_allgather_formula`); FSDP2's own
 all-gathers and reduce-scatter, counted by wrapping the collectives it
-calls, equal their formula too. Cases: 1-D COMM-OPT and MEM-OPT, and HSDP
-2 x 2 MEM-OPT (gradients gathered over the shard dimension only).
+calls, equal their formula too. Cases: 1-D COMM-OPT and MEM-OPT, HSDP
+2 x 2 MEM-OPT (gradients gathered over the shard dimension only), and
+local mode (`shard_mode='local'`), which gathers nothing.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import pytest
 from benchmarks import fsdp_bytes
 from testing.distributed import run_distributed
 
-CASES = [('comm_opt', 1), ('mem_opt', 1), ('mem_opt', 2)]
+CASES = [('comm_opt', 1), ('mem_opt', 1), ('mem_opt', 2), ('local', 1)]
 WORLD = 4
 
 
@@ -42,12 +43,19 @@ def test_allgather_bytes_equal_the_formula(tmp_path: pathlib.Path) -> None:
         for r in range(WORLD)
     ]
     for rank in ranks:
-        assert set(rank) == {'comm_opt', 'mem_opt', 'mem_opt HSDP 2x2'}
+        assert set(rank) == {
+            'comm_opt',
+            'mem_opt',
+            'mem_opt HSDP 2x2',
+            'local',
+        }
         for label, result in rank.items():
             assert result['shards'] == (2 if 'HSDP' in label else 4)
             formula = result['allgather_formula']
-            # The padding is visible: the shards are uneven.
-            assert formula > result['allgather_unpadded'] > 0, label
+            if label == 'local':  # local mode gathers nothing
+                assert formula == 0
+            else:  # the padding is visible: the shards are uneven
+                assert formula > result['allgather_unpadded'] > 0, label
             for row in result['steps']:
                 assert row['allgather'] == formula, (label, row)
                 for kind, expected in result['fsdp_formula'].items():
