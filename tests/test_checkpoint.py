@@ -18,6 +18,8 @@ import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.checkpoint.state_dict_loader import load
+from torch.distributed.checkpoint.state_dict_saver import save
 
 from kfac.checkpoint import dcp_state
 from kfac.checkpoint import flatten_state
@@ -65,13 +67,12 @@ def test_unflatten_rejects_unknown_keys(key: str) -> None:
 
 
 def test_single_process_resume_is_exact(tmp_path: pathlib.Path) -> None:
-    import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict
     from torch.distributed.checkpoint.state_dict import set_state_dict
 
     model, precon, optimizer = _trained(SAVED_AT)
     model_state, optim_state = get_state_dict(model, optimizer)
-    dcp.save(
+    save(
         {
             'model': model_state,
             'optim': optim_state,
@@ -86,12 +87,12 @@ def test_single_process_resume_is_exact(tmp_path: pathlib.Path) -> None:
     again, sgd = fsdp.build(resumed, CONFIGS['comm_opt'])
     model_state, optim_state = get_state_dict(resumed, sgd)
     state = {'model': model_state, 'optim': optim_state}
-    dcp.load(state, checkpoint_id=tmp_path / 'ckpt')
+    load(state, checkpoint_id=tmp_path / 'ckpt')
     set_state_dict(
         resumed,
         sgd,
-        model_state_dict=state['model'],
-        optim_state_dict=state['optim'],
+        model_state_dict=model_state,
+        optim_state_dict=optim_state,
     )
     load_dcp(again, tmp_path / 'ckpt')
     assert again.steps == SAVED_AT
@@ -102,18 +103,16 @@ def test_single_process_resume_is_exact(tmp_path: pathlib.Path) -> None:
 def test_load_dcp_needs_a_checkpoint_with_kfac_state(
     tmp_path: pathlib.Path,
 ) -> None:
-    import torch.distributed.checkpoint as dcp
 
     _, precon, _ = _trained(1)
     with pytest.raises(ValueError, match='checkpoint_id or storage_reader'):
         load_dcp(precon)
-    dcp.save({'other': torch.ones(2)}, checkpoint_id=tmp_path / 'c')
+    save({'other': torch.ones(2)}, checkpoint_id=tmp_path / 'c')
     with pytest.raises(ValueError, match="no K-FAC state under 'kfac'"):
         load_dcp(precon, tmp_path / 'c')
 
 
 def _save(out_dir: str) -> None:
-    import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -123,7 +122,7 @@ def _save(out_dir: str) -> None:
         precon, optimizer = fsdp.build(model, config)
         fsdp.run(model, precon, optimizer, range(SAVED_AT), (rank, world))
         model_state, optim_state = get_state_dict(model, optimizer)
-        dcp.save(
+        save(
             {
                 'model': model_state,
                 'optim': optim_state,
@@ -139,7 +138,6 @@ def _save(out_dir: str) -> None:
 
 
 def _resume(out_dir: str, label: str) -> None:
-    import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict
     from torch.distributed.checkpoint.state_dict import set_state_dict
 
@@ -150,12 +148,12 @@ def _resume(out_dir: str, label: str) -> None:
         precon, optimizer = fsdp.build(model, config)
         model_state, optim_state = get_state_dict(model, optimizer)
         state = {'model': model_state, 'optim': optim_state}
-        dcp.load(state, checkpoint_id=pathlib.Path(out_dir) / name)
+        load(state, checkpoint_id=pathlib.Path(out_dir) / name)
         set_state_dict(
             model,
             optimizer,
-            model_state_dict=state['model'],
-            optim_state_dict=state['optim'],
+            model_state_dict=model_state,
+            optim_state_dict=optim_state,
         )
         load_dcp(precon, pathlib.Path(out_dir) / name)
         steps = range(SAVED_AT, TOTAL)

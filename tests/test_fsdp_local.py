@@ -46,13 +46,14 @@ def _data() -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _step_grads(
-    model: nn.Module, shard_mode: str | None, part: tuple[int, int]
+    model: nn.Module, shard_mode: str, part: tuple[int, int]
 ) -> list[torch.Tensor]:
     """One K-FAC step without KL clip; the whole gradients it leaves."""
     from torch.distributed.tensor import DTensor
 
-    kwargs = {} if shard_mode is None else {'shard_mode': shard_mode}
-    precon = KFACPreconditioner(model, damping=DAMPING, kl_clip=None, **kwargs)
+    precon = KFACPreconditioner(
+        model, damping=DAMPING, kl_clip=None, shard_mode=shard_mode
+    )
     x, y = _data()
     index, parts = part
     per = BATCH // parts
@@ -79,7 +80,8 @@ def _dense(world: int) -> dict[str, list[torch.Tensor]]:
     nn.functional.cross_entropy(model(x), y).backward()
     raw = [p.grad.detach().clone() for p in model.parameters()]  # type: ignore[union-attr]
     precon.step()
-    masked, plain = [], []
+    masked: list[torch.Tensor] = []
+    plain: list[torch.Tensor] = []
     for index, name in enumerate(('0', '2', '4')):
         layer = precon.layers[name]
         a, g = layer.a.value, layer.g.value
@@ -111,6 +113,7 @@ def _loss(model: nn.Module) -> float:
 
 def _one_step(out_dir: str) -> None:
     from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import DTensor
 
     rank, world = dist.get_rank(), dist.get_world_size()
     results = {}
@@ -126,25 +129,26 @@ def _one_step(out_dir: str) -> None:
     embedding, gathered = {}, {}
     for mode in ('local', 'lossless'):
         torch.manual_seed(5)
-        model = nn.Sequential(nn.Embedding(11, 4), nn.Linear(4, 3)).double()
-        fully_shard(model)
+        embed = nn.Embedding(11, 4).double()
+        pair = nn.Sequential(embed, nn.Linear(4, 3).double())
+        fully_shard(pair)
         precon = KFACPreconditioner(
-            model, shard_mode=mode, kl_clip=None, damping=DAMPING
+            pair, shard_mode=mode, kl_clip=None, damping=DAMPING
         )
         tokens = torch.arange(12).remainder(11).reshape(4, 3)
         mine = tokens[rank * 4 // world : (rank + 1) * 4 // world]
-        model(mine).square().sum().backward()
+        pair(mine).square().sum().backward()
         precon.step()
-        weight = model[0].weight.grad
-        assert weight is not None
-        embedding[mode] = weight.full_tensor().tolist()  # type: ignore[attr-defined]
+        weight = embed.weight.grad
+        assert isinstance(weight, DTensor)
+        embedding[mode] = weight.full_tensor().tolist()
         gathered[mode] = precon.communicator.bytes_communicated['allgather']
     # A transformer, several steps (KL clip summed over shards, factor and
     # decomposition updates); MEM-OPT refused.
-    model = fsdp.shard(fsdp.fresh())
-    losses = [_loss(model)]
-    fsdp.train(model, {'shard_mode': 'local'}, part=(rank, world))
-    losses.append(_loss(model))
+    lm = fsdp.shard(fsdp.fresh())
+    losses = [_loss(lm)]
+    fsdp.train(lm, {'shard_mode': 'local'}, part=(rank, world))
+    losses.append(_loss(lm))
     with pytest.raises(ValueError, match="grad_worker_fraction='comm_opt'"):
         KFACPreconditioner(
             fsdp.shard(fsdp.fresh()),
