@@ -135,7 +135,7 @@ def start_all_gather(
     Every rank of `group` calls it with buffers of the same shape; `out`
     holds `size` of them, in rank order.
     """
-    gather: Callable[..., dist.Work] = dist.all_gather_into_tensor
+    gather: Callable[..., dist.Work] = dist.all_gather_single
     work = gather(out, buffer, group=group, async_op=True)
     return work.get_future()
 
