@@ -23,7 +23,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from benchmarks.models import SKIP_LAYERS
 from benchmarks.models import build
 from kfac.base_preconditioner import BaseKFACPreconditioner
 from kfac.distributed import TorchDistributedCommunicator
@@ -50,7 +49,9 @@ def _probe(name: str, bucket_cap_mb: float) -> dict[str, Any]:
     model = bench.model
     # The layers and placement of the full preconditioner, run by an engine
     # with the probe's communicator.
-    full = KFACPreconditioner(model, lr=0.01, skip_layers=SKIP_LAYERS)
+    full = KFACPreconditioner(
+        model, lr=0.01, skip_layers=bench.skip_layers, **bench.kfac_options
+    )
     full.remove()
     comm = _Stamping(bucket_cap_mb)
     precon = BaseKFACPreconditioner(

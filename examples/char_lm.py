@@ -19,7 +19,7 @@ domain) as Debian's ``bible-kjv-text`` 4.38 ships it, one verse per line
 (``examples/corpus/README.md``); every run reads the same bytes. Every
 tenth block of 8192 characters is held out for validation. Wall times count
 training only (evaluation excluded); K-FAC's time includes all of its work.
-Runs in one process (``--threads`` sets torch's thread count).
+Runs in one process, on one thread unless ``--threads`` says otherwise.
 """
 
 from __future__ import annotations
@@ -64,7 +64,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         choices=list(OPTIMIZERS),
         default=['adamw', 'kfac'],
     )
-    p.add_argument('--steps', type=int, default=600)
+    p.add_argument('--steps', type=int, default=300)
     p.add_argument('--batch-size', type=int, default=32, help='sequences')
     p.add_argument('--context', type=int, default=128, help='tokens')
     p.add_argument('--width', type=int, default=128)
@@ -73,7 +73,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument('--lr', type=float, default=3e-3, help='peak AdamW lr')
     p.add_argument('--warmup', type=int, default=50, help='linear lr warm-up')
     p.add_argument('--weight-decay', type=float, default=0.1)
-    p.add_argument('--eval-every', type=int, default=50)
+    p.add_argument('--eval-every', type=int, default=25)
     p.add_argument('--eval-sequences', type=int, default=128)
     training.add_kfac_args(
         p,
@@ -85,7 +85,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         '--kfac-approx', choices=['expand', 'reduce'], default='expand'
     )
-    p.add_argument('--threads', type=int, default=None)
+    p.add_argument(
+        '--threads',
+        type=int,
+        default=1,
+        help='torch threads (1: steady on a shared machine, and runs repeat '
+        'exactly; see examples/README.md)',
+    )
     p.add_argument('--plot', default='build/demo/char_lm_optimizers.png')
     p.add_argument('--no-plot', action='store_true')
     p.add_argument('--seed', type=int, default=0)
@@ -298,9 +304,18 @@ def main(argv: Sequence[str] | None = None) -> dict[str, History]:
     """Train every run of ``--optimizers``; return their histories."""
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format='%(message)s')
-    if args.threads is not None:
-        torch.set_num_threads(args.threads)
     corpus = load_corpus(args.corpus)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(args.threads)
+    try:
+        histories = _compare(corpus, args)
+    finally:
+        torch.set_num_threads(threads)
+    return {h.name: h for h in histories}
+
+
+def _compare(corpus: Corpus, args: argparse.Namespace) -> list[History]:
+    """Train, print the tables, write the plot."""
     logger.info(
         'corpus %s: %d characters (%d distinct), %d for training, %d held '
         'out; batches of %d x %d tokens, %d steps, %d thread(s)',
@@ -336,7 +351,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, History]:
             xlabel='step',
         )
         print(f'plot written to {path.resolve()}', flush=True)
-    return {h.name: h for h in histories}
+    return histories
 
 
 if __name__ == '__main__':

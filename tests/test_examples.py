@@ -374,7 +374,9 @@ def test_char_lm_learns_and_plots(
     tmp_path: pathlib.Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     plot = tmp_path / 'lm.png'
+    threads = torch.get_num_threads()
     histories = char_lm.main([*LM_QUICK, '--plot', str(plot)])
+    assert torch.get_num_threads() == threads  # one thread, then restored
     assert list(histories) == ['adamw', 'kfac']
     adamw, kfac = histories['adamw'], histories['kfac']
     for h in (adamw, kfac):
