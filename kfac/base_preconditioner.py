@@ -21,6 +21,7 @@ from collections.abc import Sequence
 
 import torch
 from torch import nn
+from torch.distributed import ProcessGroup
 
 from kfac.assignment import WorkAssignment
 from kfac.capture import Capture
@@ -38,10 +39,9 @@ from kfac.layers.base import FACTOR_NAMES
 from kfac.layers.base import KFACBaseLayer
 from kfac.layers.decomposition import decompose_all
 from kfac.math import kl_clip_scale
-from kfac.sharding import GatheredGrads
-from kfac.sharding import gather_grads
-from kfac.sharding import is_sharded
-from kfac.sharding import local_grads
+from kfac.sharded_step import ShardedStep
+from kfac.sharded_step import is_sharded_model
+from kfac.sharded_step import owned_entries
 from kfac.sharding import setup_local_mode
 from kfac.tracing import PhaseTimer
 from kfac.validation import check_bool
@@ -58,7 +58,7 @@ SHARD_MODES = ('lossless', 'local')
 logger = logging.getLogger(__name__)
 
 
-class BaseKFACPreconditioner(EngineState):
+class BaseKFACPreconditioner(ShardedStep, EngineState):
     """Minimal K-FAC engine over registered layers.
 
     Args:
@@ -141,9 +141,15 @@ class BaseKFACPreconditioner(EngineState):
         self._values: tuple[int, HyperparameterValues] | None = None
         self._finished: set[str] = set()
         self._reduction = FactorReduction(self.communicator, bucketed=bucketed)
-        self._local_group = None
+        self._local_group: ProcessGroup | None = None
         if self.shard_mode == 'local':
             self._local_group = setup_local_mode(self._layers, assignment)
+        self._sharded = is_sharded_model(self._layers)
+        self._owned = {
+            name: owned
+            for name, layer in self._layers.items()
+            if (owned := owned_entries(layer)) is not None
+        }
         self._decomposed: set[str] = set()
         self.counters: Counter[str] = Counter()
         """Preconditioner-wide fault counters (see `metrics`)."""
@@ -234,12 +240,12 @@ class BaseKFACPreconditioner(EngineState):
             self._update_factors()
         if self._steps % values.inv_update_steps == 0:
             self._update_decompositions(values.damping)
-        gathered = self._gather_grads()
-        try:
-            self._precondition(values.damping)
+        active = self._active()
+        if self._sharded:
+            self._precondition_sharded(active, values)
+        else:
+            self._precondition(values.damping, active)
             self._apply(values)
-        finally:
-            gathered.scatter()
         self._steps += 1
         self._capture.next_step()
 
@@ -355,23 +361,11 @@ class BaseKFACPreconditioner(EngineState):
             if name in self._decomposed and layer.has_grad
         ]
 
-    def _gather_grads(self) -> GatheredGrads:
-        """Assemble the whole gradients of sharded (FSDP2) parameters."""
-        params = [
-            param
-            for name in self._active()
-            for param in self._layers[name].module.parameters()
-        ]
-        if not any(map(is_sharded, params)):
-            return GatheredGrads()
-        if self._local_group is not None:
-            return local_grads(params)
-        with self._phase('grad_gather'):
-            return gather_grads(self.communicator, params)
-
-    def _precondition(self, damping: float) -> None:
+    def _precondition(self, damping: float, active: list[str]) -> None:
+        """Precondition the `active` layers on their gradient workers and
+        send the results to the other ranks.
+        """
         plan = self.assignment
-        active = self._active()
         with self._phase('precondition'):
             for name in active:
                 layer = self._layers[name]
@@ -410,28 +404,47 @@ class BaseKFACPreconditioner(EngineState):
             vg = torch.stack(
                 [layer.grad_inner_product() for _, layer in layers]
             )
-            if self._local_group is not None:
-                vg = self._sum_over_shards(vg)
-            finite = torch.isfinite(vg)
-            scale = None
-            if values.kl_clip is not None:
-                total = torch.where(finite, vg, torch.zeros_like(vg)).sum()
-                scale = kl_clip_scale(total, values.lr, values.kl_clip)
-            flags = finite.tolist()
+            flags, scale = self._clip(vg, values)
         with self._phase('write_back'):
-            for (name, layer), ok in zip(layers, flags):
-                if ok:
-                    layer.write_grad(scale)
-                    continue
-                layer.discard_grad()
-                self._log_once(
-                    'nonfinite-grad',
-                    name,
-                    'K-FAC: the preconditioned gradient of %s is not finite '
-                    'in step %d; its original gradient is left in place',
-                    name,
-                    self._steps,
-                )
+            self._write_back(layers, flags, scale)
+
+    def _clip(
+        self, vg: torch.Tensor, values: HyperparameterValues
+    ) -> tuple[list[bool], torch.Tensor | None]:
+        """Per layer, whether its `Σ V' ⊙ V` is finite; the KL clip's
+        scale (None without a clip). One host synchronisation.
+        """
+        if self._local_group is not None:
+            vg = self._sum_over_shards(vg)
+        finite = torch.isfinite(vg)
+        scale = None
+        if values.kl_clip is not None:
+            total = torch.where(finite, vg, torch.zeros_like(vg)).sum()
+            scale = kl_clip_scale(total, values.lr, values.kl_clip)
+        return finite.tolist(), scale
+
+    def _write_back(
+        self,
+        layers: list[tuple[str, KFACBaseLayer]],
+        flags: list[bool],
+        scale: torch.Tensor | None,
+    ) -> None:
+        """Write each finite preconditioned gradient (times `scale`);
+        leave the others' original gradients.
+        """
+        for (name, layer), ok in zip(layers, flags):
+            if ok:
+                layer.write_grad(scale)
+                continue
+            layer.discard_grad()
+            self._log_once(
+                'nonfinite-grad',
+                name,
+                'K-FAC: the preconditioned gradient of %s is not finite '
+                'in step %d; its original gradient is left in place',
+                name,
+                self._steps,
+            )
 
     def _sum_over_shards(self, vg: torch.Tensor) -> torch.Tensor:
         """Local mode: each rank's inner products cover its own rows; sum

@@ -155,6 +155,12 @@ class GatheredGrads:
         _WHOLE[id(param)] = whole
         self._params.append((param, shard))
 
+    def release(self) -> None:
+        """Let the whole gradients go, writing nothing."""
+        for param, _ in self._params:
+            _WHOLE.pop(id(param))
+        self._params.clear()
+
     def scatter(self) -> None:
         """Write each rank's rows of the whole gradients into its shards.
 
@@ -275,8 +281,7 @@ def owner_labels(
     try:
         return read()
     finally:
-        for param, _ in held._params:
-            _WHOLE.pop(id(param))
+        held.release()
 
 
 def block_mask(labels: torch.Tensor) -> tuple[str, torch.Tensor]:
