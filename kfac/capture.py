@@ -117,6 +117,26 @@ class _Tally:
     """Backward passes completed in this step."""
 
 
+def _inert(*args: object) -> None:
+    """What a copied model's K-FAC hooks do: nothing."""
+
+
+class _Hook:
+    """A hook of the capture. A deep copy of the model (an EMA or
+    evaluation copy) gets an inert hook instead of a copy of the whole
+    preconditioner: the copy is not preconditioned.
+    """
+
+    def __init__(self, fn: Callable[..., object]) -> None:
+        self._fn = fn
+
+    def __call__(self, *args: Any) -> Any:
+        return self._fn(*args)
+
+    def __deepcopy__(self, memo: dict[int, object]) -> Callable[..., None]:
+        return _inert
+
+
 class Capture:
     """The hooks that feed the registered layers' factors.
 
@@ -177,13 +197,13 @@ class Capture:
             for module in self._modules[name]:
                 self._handles.append(
                     module.register_forward_hook(
-                        functools.partial(self._forward_hook, name)
+                        _Hook(functools.partial(self._forward_hook, name))
                     )
                 )
                 _OWNERS[module] = weakref.ref(self)
             self._handles.append(
                 layer.module.weight.register_post_accumulate_grad_hook(
-                    self._accumulated
+                    _Hook(self._accumulated)
                 )
             )
         is_enabled = getattr(grad_scaler, 'is_enabled', None)

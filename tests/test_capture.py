@@ -429,3 +429,27 @@ def test_more_backward_passes_than_accumulation_steps_are_ignored(
     assert 'got more backward passes than accumulation_steps' in caplog.text
     for key, value in _factors(reference).items():
         assert torch.equal(_factors(precon)[key], value), key
+
+
+def test_a_deep_copy_of_the_model_is_not_preconditioned() -> None:
+    """An EMA or evaluation copy (`copy.deepcopy(model)`) works, and its
+    passes leave the preconditioner's statistics alone.
+    """
+    import copy
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2))
+    twin = copy.deepcopy(model)
+    precon = KFACPreconditioner(model)
+    reference = KFACPreconditioner(twin)
+    copied = copy.deepcopy(model)
+    copied(torch.randn(5, 3) * 10).sum().backward()  # never seen
+    x = torch.randn(6, 3)
+    for net, pre in ((model, precon), (twin, reference)):
+        net(x).sum().backward()
+        pre.step()
+    for name, layer in precon.layers.items():
+        for factor in layer.factors:
+            other = reference.layers[name].factor(factor.name).value
+            assert factor.value is not None and other is not None
+            assert torch.equal(factor.value, other), name
