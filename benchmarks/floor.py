@@ -229,7 +229,8 @@ def layer_shapes(
 
     The Linear, Conv2d (``groups == 1``) and Embedding modules with a
     trainable weight and the projections of every ``nn.MultiheadAttention``
-    (a copy of ``model`` is converted as the preconditioner converts it),
+    (a copy of ``model`` is converted as the preconditioner converts it;
+    ``model`` itself is left as it is),
     less those whose type name is in ``skip_types`` and those sharing their
     weight with a module of another type (see the module docstring). With
     ``inputs``, one forward pass (without gradients) records each layer's
@@ -240,8 +241,9 @@ def layer_shapes(
         raise ValueError(
             f"kfac_approx must be 'expand' or 'reduce'; got {kfac_approx!r}"
         )
-    model = copy.deepcopy(model)
-    convert_attention(model)
+    if any(type(m) is nn.MultiheadAttention for m in model.modules()):
+        model = copy.deepcopy(model)  # converted as the preconditioner would
+        convert_attention(model)
     skipped = set(skip_types) | _tied_in_other_roles(model)
     shapes = {}
     for name, module in model.named_modules():

@@ -231,6 +231,8 @@ def test_gpt_bench_rows_match_the_library_statistics() -> None:
         shapes = layer_shapes(model, tokens, kfac_approx=approx)
         assert {s.name for s in shapes} >= {'pos', 'blocks.1.attn.v_proj'}
         assert not {'embed', 'head'} & {s.name for s in shapes}  # tied
+        # counted on a converted copy; the model itself is left as it is
+        assert type(model.blocks[0].attn) is nn.MultiheadAttention
         for shape in shapes:
             sequence = approx == 'expand' or shape.a_diagonal
             assert shape.rows == (3 * 8 if sequence else 3), shape
