@@ -62,9 +62,16 @@ Layers of today's models, in the same terms:
   ``9 g³`` plus the ``d_G d_Aᵀ`` table, ``2 g V``; inverse ``g³``);
   precondition eigen ``4 g² V``, inverse ``2 g² V`` (products with ``Q_G``
   or ``G⁻¹``; the diagonal ``A`` is a scaling, in the bytes).
-* **Tied weights**: a weight reached by modules of different roles (an
-  output head tied to the token embedding) is left to the optimizer by the
-  library today, and so by this model.
+* **Tied embedding and head** (an ``nn.Embedding`` whose weight a
+  bias-free output head also uses, :mod:`kfac.layers.tied`): one layer,
+  named after the first of the two modules, in the embedding's orientation
+  (``a = V``, ``g = d``) with a *dense* combined ``A``. Each use keeps its
+  own statistics: the embedding's as above, the head's as a Linear of
+  ``d`` inputs and ``V`` outputs on its ``R_h`` rows, so capture adds
+  ``2 R_h (d² + V²)`` and the running average ``3 (d² + V²)``; the
+  decomposition and preconditioning are those of a dense ``(V, V)`` ``A``.
+  Any other weight shared between modules of different types is left to
+  the optimizer, as the library leaves it.
 
 Communication phases have no arithmetic; at world size 1 they move no bytes
 and their floor is 0 (their time is reported as overhead). The running
@@ -136,6 +143,10 @@ class LayerShape:
             fills those from column sums, not a matrix product).
         a_diagonal: whether ``A`` is diagonal (an embedding's token
             counts), kept as a vector of length ``a_dim``.
+        head_rows: for an embedding tied to an output head, the rows of
+            the head's statistics (0 otherwise; the fields above describe
+            the embedding's use).
+        head_numel: elements of the head's input and output in one step.
 
     """
 
@@ -147,11 +158,24 @@ class LayerShape:
     output_numel: int = 0
     bias: bool = False
     a_diagonal: bool = False
+    tied: bool = False
+    head_rows: int = 0
+    head_numel: int = 0
 
     @property
     def a_numel(self) -> int:
         """Elements of ``A`` as stored: ``a²``, or ``a`` when diagonal."""
         return self.a_dim if self.a_diagonal else self.a_dim**2
+
+    @property
+    def running_numel(self) -> int:
+        """Elements of the running factors: ``A`` and ``G``, or each use's
+        (a tied layer: the embedding's ``a`` and ``g²``, the head's ``g²``
+        and ``a²``).
+        """
+        if self.tied:
+            return self.a_dim + 2 * self.g_dim**2 + self.a_dim**2
+        return self.a_numel + self.g_dim**2
 
     @property
     def grad_numel(self) -> int:
@@ -204,18 +228,34 @@ def _static_shape(name: str, module: nn.Module) -> LayerShape | None:
     return LayerShape(name, a_dim, param.shape[0], bias=has_bias)
 
 
-def _tied_in_other_roles(model: nn.Module) -> set[str]:
-    """Modules sharing a weight with a module of another type."""
-    users: dict[int, list[tuple[str, type]]] = collections.defaultdict(list)
+def _shared(model: nn.Module) -> tuple[dict[str, str], set[str]]:
+    """Weights shared by modules of different types.
+
+    Returns ``({embedding: head}, left)``: each embedding whose weight a
+    bias-free Linear head uses as well (one tied layer), and the modules of
+    every other such sharing (left to the optimizer).
+    """
+    users: dict[int, list[tuple[str, nn.Module]]] = collections.defaultdict(
+        list
+    )
     for name, module in model.named_modules(remove_duplicate=False):
         weight = module._parameters.get('weight')
         if weight is not None:
-            users[id(weight)].append((name, type(module)))
-    tied: set[str] = set()
+            users[id(weight)].append((name, module))
+    tied: dict[str, str] = {}
+    left: set[str] = set()
     for group in users.values():
-        if len({kind for _, kind in group}) > 1:
-            tied.update(name for name, _ in group)
-    return tied
+        if len({type(m) for _, m in group}) < 2:
+            continue
+        kinds = {type(m): name for name, m in group}
+        emb, head = kinds.get(nn.Embedding), kinds.get(nn.Linear)
+        modules = dict(group)
+        pair = len(group) == 2 and emb is not None and head is not None
+        if pair and emb and head and modules[head].bias is None:
+            tied[emb] = head
+        else:
+            left.update(name for name, _ in group)
+    return tied, left
 
 
 def layer_shapes(
@@ -244,13 +284,17 @@ def layer_shapes(
     if any(type(m) is nn.MultiheadAttention for m in model.modules()):
         model = copy.deepcopy(model)  # converted as the preconditioner would
         convert_attention(model)
-    skipped = set(skip_types) | _tied_in_other_roles(model)
+    tied, left = _shared(model)
+    heads = {head: emb for emb, head in tied.items()}
+    skipped = set(skip_types) | left | set(heads)
     shapes = {}
     for name, module in model.named_modules():
         if name in skipped or type(module).__name__ in skipped:
             continue
         shape = _static_shape(name, module)
         if shape is not None:
+            if name in tied:  # the combined A is dense
+                shape = dataclasses.replace(shape, tied=True, a_diagonal=False)
             shapes[name] = shape
     if inputs is None:
         return list(shapes.values())
@@ -259,16 +303,20 @@ def layer_shapes(
 
     def record(name: str, args: tuple[torch.Tensor, ...], out: object) -> None:
         assert isinstance(out, torch.Tensor)
-        rows = out.numel() // shapes[name].g_dim
-        if kfac_approx == 'reduce' and not shapes[name].a_diagonal:
+        # a tied head (not in shapes) is a Linear: its outputs are last
+        outputs = shapes[name].g_dim if name in shapes else out.shape[-1]
+        rows = out.numel() // outputs
+        diagonal = isinstance(modules[name], nn.Embedding)
+        if kfac_approx == 'reduce' and not diagonal:
             rows = out.shape[0] if out.dim() > 1 else 1
         sizes[name] = (rows, args[0].numel(), out.numel())
 
+    recorded = [*shapes, *(h for h in heads if heads[h] in shapes)]
     handles = [
         modules[name].register_forward_hook(
             lambda _m, args, out, name=name: record(name, args, out)
         )
-        for name in shapes
+        for name in recorded
     ]
     try:
         with torch.no_grad():
@@ -276,24 +324,32 @@ def layer_shapes(
     finally:
         for handle in handles:
             handle.remove()
-    return [
-        dataclasses.replace(
-            shape,
-            rows=sizes[name][0],
-            input_numel=sizes[name][1],
-            output_numel=sizes[name][2],
+    result = []
+    for name, shape in shapes.items():
+        if name not in sizes:
+            continue
+        head = sizes.get(tied.get(name, ''), (0, 0, 0))
+        result.append(
+            dataclasses.replace(
+                shape,
+                rows=sizes[name][0],
+                input_numel=sizes[name][1],
+                output_numel=sizes[name][2],
+                head_rows=head[0],
+                head_numel=head[1] + head[2],
+            )
         )
-        for name, shape in shapes.items()
-        if name in sizes
-    ]
+    return result
 
 
 def _capture(layer: LayerShape, itemsize: int) -> Work:
-    squares = layer.a_numel + layer.g_dim**2
-    inputs = 0 if layer.a_diagonal else layer.a_dim - int(layer.bias)
+    one_hot = layer.a_diagonal or layer.tied  # A from counts, no product
+    inputs = 0 if one_hot else layer.a_dim - int(layer.bias)
     flops = 2.0 * layer.rows * (inputs**2 + layer.g_dim**2)
-    moved = layer.input_numel + layer.output_numel + squares
-    return Work(flops, moved * itemsize)
+    # a tied layer's head: a Linear of g inputs and a outputs
+    flops += 2.0 * layer.head_rows * (layer.g_dim**2 + layer.a_dim**2)
+    moved = layer.input_numel + layer.output_numel + layer.head_numel
+    return Work(flops, (moved + layer.running_numel) * itemsize)
 
 
 def _decomposition(layer: LayerShape, method: str, itemsize: int) -> Work:
@@ -333,11 +389,12 @@ def phase_work(
         raise ValueError(
             f"method must be 'eigen' or 'inverse'; got {method!r}"
         )
-    squares = layer.a_numel + layer.g_dim**2
     v = layer.grad_numel
     return {
         'factor_capture': _capture(layer, itemsize),
-        'running_average': Work(3.0 * squares, 3 * squares * itemsize),
+        'running_average': Work(
+            3.0 * layer.running_numel, 3 * layer.running_numel * itemsize
+        ),
         'decomposition': _decomposition(layer, method, itemsize),
         'precondition': _precondition(layer, method, itemsize),
         'kl_clip': Work(2.0 * v, 2 * v * itemsize),

@@ -224,18 +224,31 @@ def test_layer_shapes_match_the_registered_layers(
 
 
 def test_gpt_bench_rows_match_the_library_statistics() -> None:
-    """Rows per layer of the GPT model: the library's own tally."""
+    """Rows per layer of the GPT model, and its tied embedding and head."""
     model = _small_gpt()
     tokens = torch.randint(0, 13, (3, 8))
     for approx in ('expand', 'reduce'):
-        shapes = layer_shapes(model, tokens, kfac_approx=approx)
-        assert {s.name for s in shapes} >= {'pos', 'blocks.1.attn.v_proj'}
-        assert not {'embed', 'head'} & {s.name for s in shapes}  # tied
+        shapes = {
+            s.name: s for s in layer_shapes(model, tokens, kfac_approx=approx)
+        }
+        assert {'embed', 'pos', 'blocks.1.attn.v_proj'} <= set(shapes)
+        assert 'head' not in shapes  # one layer for the tied weight
         # counted on a converted copy; the model itself is left as it is
         assert type(model.blocks[0].attn) is nn.MultiheadAttention
-        for shape in shapes:
-            sequence = approx == 'expand' or shape.a_diagonal
+        for shape in shapes.values():
+            sequence = approx == 'expand' or shape.a_diagonal or shape.tied
             assert shape.rows == (3 * 8 if sequence else 3), shape
+        embed = shapes['embed']
+        assert (embed.a_dim, embed.g_dim, embed.a_diagonal) == (13, 8, False)
+        # the head's use: a Linear of 8 inputs and 13 outputs
+        assert embed.head_rows == (3 * 8 if approx == 'expand' else 3)
+        capture = phase_work(embed, 'eigen')['factor_capture'].flops
+        assert capture == 2 * 24 * 8**2 + 2 * embed.head_rows * (64 + 169)
+        average = phase_work(embed, 'eigen')['running_average'].flops
+        assert average == 3 * (13 + 64 + 64 + 169)  # each use's factors
+        assert (
+            phase_work(embed, 'inverse')['decomposition'].flops == 13**3 + 8**3
+        )
 
 
 def test_transformer_attention_projections_are_preconditioned() -> None:
