@@ -155,18 +155,17 @@ class ShardedStep:
                 for name in part:
                     layer = self._layers[name]
                     grad = layer.grad
-                    if grad is None:
-                        continue
+                    assert grad is not None  # active: every rank has V'
                     vg.append(layer.grad_inner_product())
                     owned = self._owned.get(name)
                     kept[name] = grad if owned is None else _take(grad, owned)
                     layer.grad = layer.raw_grad = None
             finally:
                 held.release()
-        if not kept:
-            return
         with self._phase('kl_clip'):
-            flags, scale = self._clip(torch.stack(vg), values)
+            flags, scale = (
+                self._clip(torch.stack(vg), values) if vg else ([], None)
+            )
         ok = dict(zip(kept, flags))
         for part in parts:
             mine = [name for name in part if name in kept]

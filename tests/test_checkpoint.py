@@ -94,7 +94,9 @@ def test_single_process_resume_is_exact(tmp_path: pathlib.Path) -> None:
         model_state_dict=model_state,
         optim_state_dict=optim_state,
     )
-    load_dcp(again, tmp_path / 'ckpt')
+    from torch.distributed.checkpoint.filesystem import FileSystemReader
+
+    load_dcp(again, storage_reader=FileSystemReader(tmp_path / 'ckpt'))
     assert again.steps == SAVED_AT
     fsdp.run(resumed, again, sgd, range(SAVED_AT, TOTAL))
     assert torch.equal(fsdp.whole_params(resumed), expected)

@@ -206,6 +206,59 @@ def _gather_and_scatter() -> None:
     assert torch.equal(bias.grad.full_tensor(), torch.full((5,), 7.0))
     assert torch.equal(weight.grad.full_tensor(), 3.0 * expected)
     assert current_grad(weight) is weight.grad
+    # Local mode: this rank's rows in zeros, no communication.
+    from kfac.sharding import local_grads
+    from kfac.sharding import owner_labels
+
+    bias.grad = None
+    held = local_grads([weight, bias, plain])
+    assert len(held) == 2
+    mine = weight.to_local().shape[0]
+    start = dist.get_rank() * 3  # 5 rows over 2 ranks: 3, 2
+    whole_weight = current_grad(weight)
+    assert whole_weight is not None
+    assert torch.equal(
+        whole_weight[start : start + mine], weight.grad.to_local()
+    )
+    assert whole_weight.abs().sum() == weight.grad.to_local().abs().sum()
+    whole_bias = current_grad(bias)
+    assert whole_bias is not None
+    assert torch.equal(whole_bias, torch.zeros(5))
+    held.release()
+    assert bias.grad is None  # released: nothing written
+    assert owner_labels([plain], lambda: None) is None
+    labels = owner_labels([weight, plain], lambda: current_grad(weight))
+    assert labels is not None
+    assert labels[:, 0].tolist() == [0, 0, 0, 1, 1]
+    assert current_grad(weight) is weight.grad  # released again
+
+
+def _nonfinite_gradient() -> None:
+    """A layer whose preconditioned gradient is not finite keeps its
+    (sharded) gradient; the others are preconditioned.
+    """
+    from torch.distributed.tensor import DTensor
+
+    for mode in ('lossless', 'local'):
+        model = fsdp.shard(fsdp.fresh())
+        precon = KFACPreconditioner(model, shard_mode=mode)
+        tokens = fsdp.batch(0)
+        model(tokens[:, :-1]).sum().backward()
+        grads = {}
+        for name, param in model.named_parameters():
+            assert isinstance(param.grad, DTensor)
+            if name == 'up.weight':
+                param.grad.to_local().fill_(float('inf'))
+            grads[name] = param.grad.full_tensor()
+        precon.step()
+        for name, param in model.named_parameters():
+            assert isinstance(param.grad, DTensor)
+            after = param.grad.full_tensor()
+            if name.startswith('up.'):  # kept as it was
+                assert torch.equal(after, grads[name]), name
+            elif name.startswith(('conv.', 'down.', 'head.')):
+                assert not torch.equal(after, grads[name]), name
+        assert precon.layers['up'].counters['nonfinite_gradients'] == 1
 
 
 def _errors(out_dir: str) -> None:
@@ -276,6 +329,17 @@ def _errors(out_dir: str) -> None:
         precon.step()
     messages['late'] = str(late.value)
     _gather_and_scatter()
+    # Local mode over two different process groups.
+    split = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+    fully_shard(split[0])
+    hsdp = init_device_mesh(
+        'cpu', (2, 1), mesh_dim_names=('replicate', 'shard')
+    )
+    fully_shard(split[1], mesh=hsdp)
+    with pytest.raises(ValueError) as groups:
+        KFACPreconditioner(split, shard_mode='local')
+    messages['groups'] = str(groups.value)
+    _nonfinite_gradient()
     if dist.get_rank() == 0:
         (pathlib.Path(out_dir) / 'errors.json').write_text(
             json.dumps(messages)
@@ -294,3 +358,4 @@ def test_unsupported_sharding_raises_at_construction(
     assert 'convert_attention' in messages['attention']
     assert 'Shard(dim=1)' in messages['columns']
     assert 'replaced' in messages['late'] and 'embed' in messages['late']
+    assert 'same process group' in messages['groups']

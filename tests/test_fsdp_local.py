@@ -209,3 +209,15 @@ def test_local_mode_needs_a_sharded_model() -> None:
         KFACPreconditioner(_mlp(), shard_mode='local')
     with pytest.raises(ValueError, match='shard_mode must be one of'):
         KFACPreconditioner(_mlp(), shard_mode='sideways')
+
+
+def test_block_mask_needs_rows_or_columns_of_one_owner() -> None:
+    from kfac.sharding import block_mask
+
+    rows = torch.tensor([[0.0, 0.0, 0.0], [1.0, 1.0, 1.0]])
+    side, mask = block_mask(rows)
+    assert side == 'G' and mask.tolist() == [[True, False], [False, True]]
+    side, mask = block_mask(rows.T)
+    assert side == 'A' and mask.tolist() == [[True, False], [False, True]]
+    with pytest.raises(ValueError, match='by rows or by columns'):
+        block_mask(torch.tensor([[0.0, 1.0], [1.0, 0.0]]))
