@@ -10,9 +10,10 @@ and 3 neither), and prints per step and rank:
 
 * **K-FAC**, measured: ``precon.communicator.bytes_communicated`` by kind
   (``allreduce`` of the factors, ``broadcast`` of decompositions under
-  COMM-OPT and of preconditioned gradients under MEM-OPT, ``allgather``
-  of the sharded gradients), each collective's payload counted once on
-  every rank that calls it.
+  COMM-OPT, ``allgather`` of the sharded gradients, ``scatter`` of each
+  rank's rows of the preconditioned gradients under MEM-OPT, counted on
+  the sending rank), each collective's payload counted once on every
+  rank that calls it.
 * **FSDP2**, measured by wrapping ``torch.distributed.all_gather_single``
   and ``reduce_scatter_single`` (the two calls FSDP2 makes) and checked
   against the formula below.
@@ -36,8 +37,9 @@ rows, which is what FSDP2 and K-FAC both pad to.
 
 So on the wire K-FAC's lossless mode costs one more all-gather of the
 preconditioned parameters per step, beside FSDP2's three passes (two
-all-gathers and a reduce-scatter); MEM-OPT adds the broadcast of every
-whole preconditioned gradient from its one worker. Local mode
+all-gathers and a reduce-scatter); MEM-OPT adds a scatter of each
+preconditioned gradient from its one worker, every rank getting the rows
+of its shards (the worker hands in the whole gradient, padded). Local mode
 (``shard_mode='local'``, COMM-OPT, case ``local``) gathers nothing: it
 allreduces one number per layer over the shard group for the KL clip.
 """
@@ -80,7 +82,7 @@ __all__ = [
 MODEL_ARGS = ['--vocab', '99', '--width', '64', '--depth', '2']
 #: Steps measured: factors at 0 and 2, decompositions at 0.
 STEPS = 4
-KINDS = ('allreduce', 'broadcast', 'allgather')
+KINDS = ('allreduce', 'broadcast', 'allgather', 'scatter')
 
 
 def padded_shard_bytes(param: torch.Tensor, shards: int) -> int:
@@ -294,9 +296,11 @@ def report(world: int, ranks: list[dict[str, Any]]) -> str:
         f'### W = {world} (KiB per rank; every rank counted the same: {same})',
         '',
         '| case | step | K-FAC allreduce | K-FAC broadcast | '
-        'K-FAC allgather (formula) | K-FAC total | FSDP2 AG fwd | '
-        'FSDP2 AG bwd | FSDP2 RS in | FSDP2 total | K-FAC / FSDP2 |',
-        '| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |',
+        'K-FAC allgather (formula) | K-FAC scatter | K-FAC total | '
+        'FSDP2 AG fwd | FSDP2 AG bwd | FSDP2 RS in | FSDP2 total | '
+        'K-FAC / FSDP2 |',
+        '| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- '
+        '| --- |',
     ]
     for label, result in ranks[0].items():
         for step, row in enumerate(result['steps']):
@@ -305,7 +309,8 @@ def report(world: int, ranks: list[dict[str, Any]]) -> str:
             lines.append(
                 f'| {label} | {step} | {_kb(row["allreduce"])} | '
                 f'{_kb(row["broadcast"])} | {_kb(row["allgather"])} '
-                f'({_kb(result["allgather_formula"])}) | {_kb(kfac)} | '
+                f'({_kb(result["allgather_formula"])}) | '
+                f'{_kb(row["scatter"])} | {_kb(kfac)} | '
                 f'{_kb(row["forward_allgather"])} | '
                 f'{_kb(row["backward_allgather"])} | '
                 f'{_kb(row["reduce_scatter"])} | {_kb(fsdp)} | '

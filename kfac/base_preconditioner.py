@@ -361,9 +361,15 @@ class BaseKFACPreconditioner(ShardedStep, EngineState):
             if name in self._decomposed and layer.has_grad
         ]
 
-    def _precondition(self, damping: float, active: list[str]) -> None:
+    def _precondition(
+        self,
+        damping: float,
+        active: list[str],
+        broadcast: list[str] | None = None,
+    ) -> None:
         """Precondition the `active` layers on their gradient workers and
-        send the results to the other ranks.
+        broadcast the results of those in `broadcast` (default: all) to
+        the other ranks.
         """
         plan = self.assignment
         with self._phase('precondition'):
@@ -379,12 +385,13 @@ class BaseKFACPreconditioner(ShardedStep, EngineState):
                             'its raw gradient is used this step',
                             name,
                         )
+        sent = active if broadcast is None else broadcast
         if plan.broadcast_gradients():
             with self._phase('grad_broadcast'):
                 broadcast_grads(
                     self.communicator,
                     plan,
-                    {name: self._layers[name] for name in active},
+                    {name: self._layers[name] for name in sent},
                 )
 
     def _apply(self, values: HyperparameterValues) -> None:

@@ -43,6 +43,7 @@ __all__ = [
     'start_all_gather',
     'start_allreduce',
     'start_broadcast',
+    'start_scatter',
     'then_finish',
     'unflatten',
 ]
@@ -137,6 +138,20 @@ def start_all_gather(
     """
     gather: Callable[..., dist.Work] = dist.all_gather_single
     work = gather(out, buffer, group=group, async_op=True)
+    return work.get_future()
+
+
+def start_scatter(
+    out: torch.Tensor,
+    chunks: list[torch.Tensor] | None,
+    src: int,
+    group: ProcessGroup | None,
+) -> torch.futures.Future[Any]:
+    """Start scattering `src`'s `chunks` into every rank's `out`; return
+    its future.
+    """
+    scatter: Callable[..., dist.Work] = dist.scatter
+    work = scatter(out, chunks, src=src, group=group, async_op=True)
     return work.get_future()
 
 

@@ -50,6 +50,7 @@ from kfac.buckets import payload
 from kfac.buckets import start_all_gather
 from kfac.buckets import start_allreduce
 from kfac.buckets import start_broadcast
+from kfac.buckets import start_scatter
 from kfac.buckets import then_finish
 from kfac.handles import DeferredHandle
 from kfac.handles import FutureHandle
@@ -437,6 +438,38 @@ class TorchDistributedCommunicator:
         future = start_all_gather(out, padded, group)
         self._keep(future)
         return DeferredHandle(future, lambda: out[:rows])
+
+    def scatter(
+        self,
+        out: torch.Tensor,
+        chunks: list[torch.Tensor] | None,
+        *,
+        src: int,
+        group: ProcessGroup | None = None,
+    ) -> Handle:
+        """Start sending chunk `i` of the `src` rank's `chunks` to the
+        `i`-th rank of `group` (in `get_process_group_ranks` order).
+
+        Every rank of `group` calls it with an `out` of the chunks' shape
+        and dtype; only `src` passes `chunks` (one per rank of `group`),
+        and only its bytes are counted (`'scatter'`).
+
+        Returns:
+            A handle to `out`, written with this rank's chunk.
+        """
+        size = _group_size(group)
+        src = _check_src(src, group)
+        if chunks is not None:
+            self.bytes_communicated['scatter'] += sum(
+                c.numel() * c.element_size() for c in chunks
+            )
+            self.collectives_started['scatter'] += 1
+        if size == 1:
+            assert chunks is not None  # the only rank is the source
+            return completed(out.copy_(chunks[0]))
+        future = start_scatter(out, chunks, src, group)
+        self._keep(future)
+        return DeferredHandle(future, lambda: out)
 
 
 Communicator = TorchDistributedCommunicator

@@ -22,12 +22,13 @@ PHASES = (
     'grad_gather',
     'precondition',
     'grad_broadcast',
+    'grad_scatter',
     'kl_clip',
     'kl_clip_allreduce',
     'write_back',
 )
-"""Phases of one step, in order (`grad_gather` and `kl_clip_allreduce`
-only with sharded parameters, in lossless and local mode)."""
+"""Phases of one step, in order (`grad_gather`, `grad_scatter` and
+`kl_clip_allreduce` only with sharded parameters)."""
 
 
 class PhaseTimer:
