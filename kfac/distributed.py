@@ -196,7 +196,9 @@ class TorchDistributedCommunicator:
         self._bucket_cap_bytes = int(self._bucket_cap_mb * 2**20)
         self._symmetry_aware = check_bool('symmetry_aware', symmetry_aware)
         self._pending: dict[tuple[object, ...], Bucket] = {}
-        self._kept: list[torch.futures.Future[Any]] = []
+        self._kept: list[
+            tuple[torch.futures.Future[Any], tuple[torch.Tensor, ...]]
+        ] = []
         self.bytes_communicated: collections.Counter[str] = (
             collections.Counter()
         )
@@ -229,10 +231,12 @@ class TorchDistributedCommunicator:
         self.bytes_communicated[kind] += buffer.numel() * buffer.element_size()
         self.collectives_started[kind] += 1
 
-    def _keep(self, future: torch.futures.Future[Any]) -> None:
+    def _keep(
+        self, future: torch.futures.Future[Any], *inputs: torch.Tensor
+    ) -> None:
         """Keep `future`; let go of those that had completed before."""
-        self._kept = [kept for kept in self._kept if not kept.done()]
-        self._kept.append(future)
+        self._kept = [kept for kept in self._kept if not kept[0].done()]
+        self._kept.append((future, inputs))
 
     def allreduce(
         self,
@@ -436,7 +440,7 @@ class TorchDistributedCommunicator:
         out = local.new_empty((chunk * size, *local.shape[1:]))
         self._record('allgather', padded)
         future = start_all_gather(out, padded, group)
-        self._keep(future)
+        self._keep(future, padded)  # the future's value holds only `out`
         return DeferredHandle(future, lambda: out[:rows])
 
     def scatter(
@@ -468,7 +472,7 @@ class TorchDistributedCommunicator:
             assert chunks is not None  # the only rank is the source
             return completed(out.copy_(chunks[0]))
         future = start_scatter(out, chunks, src, group)
-        self._keep(future)
+        self._keep(future, *(chunks or ()))  # the value holds only `out`
         return DeferredHandle(future, lambda: out)
 
 

@@ -113,6 +113,44 @@ def _futures_kept() -> None:
     assert _use_count_drops_to(tensor, 1, seconds=10)
 
 
+def _released_within(ref: weakref.ref[torch.Tensor], seconds: float) -> bool:
+    deadline = time.monotonic() + seconds
+    while ref() is not None and time.monotonic() < deadline:
+        time.sleep(0.001)
+    return ref() is None
+
+
+def _inputs_kept() -> None:
+    """The inputs of an all-gather and a scatter (not in their futures'
+    values) are kept as long as the futures.
+    """
+    comm = TorchDistributedCommunicator()
+    rank = dist.get_rank()
+    world = dist.group.WORLD
+    assert world is not None
+    local = torch.full((2 - rank, 3), float(rank))  # 3 rows: 2 and 1
+    whole = comm.all_gather_rows(local, rows=3, group=world)
+    assert whole.wait().tolist() == [[0.0] * 3, [0.0] * 3, [1.0] * 3]
+    padded = weakref.ref(comm._kept[-1][1][0])
+    time.sleep(0.2)  # the worker has let go of its references
+    assert padded() is not None  # kept with the completed future
+    chunks = [torch.full((2,), 5.0), torch.full((2,), 6.0)] if rank else None
+    out = comm.scatter(torch.empty(2), chunks, src=1).wait()
+    assert out.tolist() == [5.0 + rank] * 2
+    assert _released_within(padded, 10)  # let go at the next collective
+    sent = [weakref.ref(c) for c in comm._kept[-1][1]]
+    del chunks
+    assert len(sent) == (2 if rank else 0)
+    time.sleep(0.2)
+    assert all(r() is not None for r in sent)
+    comm.allreduce(torch.ones(1)).wait()
+    assert all(_released_within(r, 10) for r in sent)
+
+
+def test_inputs_are_kept_with_their_futures(tmp_path: pathlib.Path) -> None:
+    run_distributed(_inputs_kept, 2, tmp_path=tmp_path)
+
+
 def test_collectives_chain_no_python_callback(tmp_path: pathlib.Path) -> None:
     run_distributed(_collectives, 2, tmp_path=tmp_path)
 
