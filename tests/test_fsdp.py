@@ -359,3 +359,67 @@ def test_unsupported_sharding_raises_at_construction(
     assert 'Shard(dim=1)' in messages['columns']
     assert 'replaced' in messages['late'] and 'embed' in messages['late']
     assert 'same process group' in messages['groups']
+
+
+class _TiedLM(nn.Module):
+    """An embedding tied to its output head, and a Linear between."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(fsdp.VOCAB, fsdp.WIDTH)
+        self.mid = nn.Linear(fsdp.WIDTH, fsdp.WIDTH)
+        self.head = nn.Linear(fsdp.WIDTH, fsdp.VOCAB, bias=False)
+        self.head.weight = self.embed.weight
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = self.head(torch.tanh(self.mid(self.embed(tokens))))
+        return out
+
+
+def _tied() -> _TiedLM:
+    torch.manual_seed(2)
+    return _TiedLM().double()
+
+
+TILED = {'max_factor_dim': 5}  # 13-token vocabulary, width 8: tiles
+
+
+def _tied_body(out_dir: str) -> None:
+    from torch.distributed.fsdp import fully_shard
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    results = {}
+    for name in ('comm_opt-eigen', 'mem_opt-inverse'):
+        model = _tied()
+        fully_shard(model.mid)
+        fully_shard(model)  # the tied weight in the root's unit
+        fsdp.train(model, {**CONFIGS[name], **TILED}, part=(rank, world))
+        results[name] = fsdp.whole_params(model).tolist()
+    if rank == 0:
+        (pathlib.Path(out_dir) / 'tied.json').write_text(json.dumps(results))
+
+
+@pytest.mark.timeout(200)
+def test_tied_and_tiled_layers_under_fully_shard(
+    tmp_path: pathlib.Path,
+) -> None:
+    """The tied embedding and head (one layer) and tiles of a blocked
+    layer under FSDP2 equal one process, COMM-OPT and MEM-OPT.
+    """
+    expected = {}
+    for name in ('comm_opt-eigen', 'mem_opt-inverse'):
+        model = _tied()
+        precon = fsdp.train(model, {**CONFIGS[name], **TILED})
+        assert precon is not None
+        assert {'embed.block0', 'mid.block0'} <= set(precon.layers)
+        assert not any(n.startswith('head') for n in precon.layers)
+        expected[name] = fsdp.whole_params(model)
+    run_distributed(
+        _tied_body, 2, str(tmp_path), tmp_path=tmp_path, timeout=180
+    )
+    got = json.loads((tmp_path / 'tied.json').read_text())
+    for name, params in expected.items():
+        whole = torch.tensor(got[name], dtype=torch.float64)
+        error = relative_error(whole, params)
+        WORST[f'FSDP2 W=2 tied and tiled {name}'] = error
+        assert 0 < error <= 1e-10, (name, error)

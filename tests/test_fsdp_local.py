@@ -192,7 +192,8 @@ def test_local_mode_is_the_block_diagonal_solve(
     )
     assert differs > 1e-3  # the block-diagonal G is another matrix
     local, lossless = (
-        torch.tensor(got['embedding'][m]) for m in ('local', 'lossless')
+        torch.tensor(got['embedding'][m], dtype=torch.float64)
+        for m in ('local', 'lossless')
     )
     assert relative_error(local, lossless) <= 1e-12
     assert got['gathered'] == {
