@@ -463,14 +463,14 @@ class TorchDistributedCommunicator:
         """
         size = _group_size(group)
         src = _check_src(src, group)
+        if size == 1:
+            assert chunks is not None  # the only rank is the source
+            return completed(out.copy_(chunks[0]))
         if chunks is not None:
             self.bytes_communicated['scatter'] += sum(
                 c.numel() * c.element_size() for c in chunks
             )
             self.collectives_started['scatter'] += 1
-        if size == 1:
-            assert chunks is not None  # the only rank is the source
-            return completed(out.copy_(chunks[0]))
         future = start_scatter(out, chunks, src, group)
         self._keep(future, *(chunks or ()))  # the value holds only `out`
         return DeferredHandle(future, lambda: out)

@@ -134,6 +134,15 @@ def test_single_process_collectives_return_input(
     assert not comm.collectives_started
 
 
+def test_single_process_scatter_copies_the_only_chunk() -> None:
+    comm = Communicator()
+    out = torch.zeros(3)
+    handle = comm.scatter(out, [torch.arange(3.0)], src=0)
+    assert handle.done() and handle.wait() is out
+    assert out.tolist() == [0.0, 1.0, 2.0]
+    assert not comm.bytes_communicated  # a one-rank shortcut
+
+
 def test_single_process_argument_errors() -> None:
     comm = Communicator(symmetry_aware=True)
     with pytest.raises(ValueError, match=r'src=1 is not a member.*\[0\]'):
