@@ -434,4 +434,8 @@ def loss_floor(args: argparse.Namespace) -> float:
 
 if __name__ == '__main__':
     main()
+    # FSDP2 on gloo (torch 2.13) can abort at exit while gloo's worker
+    # threads still release its tensors, K-FAC or not; a short pause
+    # avoids it (docs/guide/troubleshooting.md).
+    time.sleep(0.3)
     dist.destroy_process_group()
