@@ -24,6 +24,10 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/codespell kfac testing tests examples README.md
+	# the import layering (pyproject.toml), then no cycle and no
+	# function-level import of kfac
+	$(VENV)/bin/lint-imports
+	$(PY) scripts/check_imports.py
 
 typecheck: $(STAMP)
 	$(VENV)/bin/mypy

@@ -27,10 +27,10 @@ from benchmarks.comm import CommConfig
 from benchmarks.comm import counted
 from benchmarks.floor import layer_shapes
 from kfac.assignment import KAISAAssignment
-from kfac.assignment import KAISAPlan
-from kfac.assignment import factor_cost
-from kfac.assignment import plan_kaisa
 from kfac.distributed import TorchDistributedCommunicator
+from kfac.placement import KAISAPlan
+from kfac.placement import factor_cost
+from kfac.placement import plan_kaisa
 from kfac.preconditioner import KFACPreconditioner
 from kfac.tracing import PhaseTimer
 

@@ -45,7 +45,7 @@ from collections.abc import Sequence
 import torch
 
 from benchmarks.floor import LayerShape
-from kfac.assignment import KAISAPlan
+from kfac.placement import KAISAPlan
 
 __all__ = [
     'COMM_PHASES',

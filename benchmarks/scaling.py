@@ -27,8 +27,8 @@ from benchmarks.comm import traffic
 from benchmarks.floor import LayerShape
 from benchmarks.shapes import SCALING_MODELS
 from kfac.assignment import KAISAAssignment
-from kfac.assignment import KAISAPlan
-from kfac.assignment import factor_cost
+from kfac.placement import KAISAPlan
+from kfac.placement import factor_cost
 
 __all__ = [
     'FRACTIONS',

@@ -1,6 +1,14 @@
 """K-FAC gradient preconditioning for PyTorch, distributed as in KAISA.
 
-`import kfac` imports the public submodules, so
+The names a user needs are here:
+
+```python
+import kfac
+
+preconditioner = kfac.KFACPreconditioner(model, factor_update_steps=10)
+```
+
+`import kfac` also imports the public submodules, so
 `kfac.preconditioner.KFACPreconditioner(model)` works after it, as in the
 original KAISA package. Importing has no side effects: no process group,
 no hook, no log message and no warning.
@@ -10,44 +18,58 @@ from __future__ import annotations
 
 from kfac import assignment
 from kfac import base_preconditioner
-from kfac import capture
 from kfac import checkpoint
 from kfac import config
 from kfac import distributed
 from kfac import enums
-from kfac import exchange
 from kfac import hyperparams
 from kfac import layers
 from kfac import math
 from kfac import placement
 from kfac import preconditioner
-from kfac import report
 from kfac import scheduler
-from kfac import sharding
 from kfac import state
 from kfac import tracing
 from kfac import validation
+from kfac.base_preconditioner import BaseKFACPreconditioner
+from kfac.checkpoint import dcp_state
+from kfac.checkpoint import load_dcp
+from kfac.config import KFACConfig
+from kfac.enums import AllreduceMethod
+from kfac.enums import AssignmentStrategy
+from kfac.enums import ComputeMethod
+from kfac.enums import DistributedStrategy
+from kfac.preconditioner import KFACPreconditioner
+from kfac.scheduler import LambdaParamScheduler
+from kfac.tracing import PhaseTimer
 
 __version__ = '0.1.0'
 
 __all__ = [
+    'AllreduceMethod',
+    'AssignmentStrategy',
+    'BaseKFACPreconditioner',
+    'ComputeMethod',
+    'DistributedStrategy',
+    'KFACConfig',
+    'KFACPreconditioner',
+    'LambdaParamScheduler',
+    'PhaseTimer',
     '__version__',
     'assignment',
     'base_preconditioner',
-    'capture',
     'checkpoint',
     'config',
+    'dcp_state',
     'distributed',
     'enums',
-    'exchange',
     'hyperparams',
     'layers',
+    'load_dcp',
     'math',
     'placement',
     'preconditioner',
-    'report',
     'scheduler',
-    'sharding',
     'state',
     'tracing',
     'validation',

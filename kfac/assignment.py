@@ -8,33 +8,24 @@ KAISA placement of [`kfac.placement`][kfac.placement] (the grid of
 gradient-worker and gradient-receiver groups is explained there), making the
 process groups with an injected function, so that the placement needs no
 live process group.
-
-The names of [`kfac.placement`][kfac.placement] that this module exported
-before the placement moved there (`KAISAPlan`, `plan_kaisa`,
-`factor_cost`, `valid_grad_worker_fractions`) are still importable from
-here.
 """
 
 from __future__ import annotations
 
 import abc
-import weakref
-from collections.abc import Callable
 from collections.abc import Mapping
 from typing import TYPE_CHECKING
 from typing import TypeAlias
-from typing import TypeVar
 
-import torch.distributed as dist
-
+from kfac.distributed import GroupFunc
+from kfac.distributed import default_group_func
+from kfac.enums import FACTOR_NAMES
 from kfac.enums import AssignmentStrategy
 from kfac.enums import DistributedStrategy
-from kfac.layers.base import FACTOR_NAMES
 from kfac.placement import KAISAPlan
 from kfac.placement import factor_cost
 from kfac.placement import grad_workers_from_fraction
 from kfac.placement import plan_kaisa
-from kfac.placement import valid_grad_worker_fractions
 from kfac.validation import check_callable
 from kfac.validation import is_int
 from kfac.validation import type_error
@@ -46,20 +37,12 @@ if TYPE_CHECKING:
     from kfac.layers.base import KFACBaseLayer
 
 __all__ = [
-    'GroupFunc',
     'KAISAAssignment',
-    'KAISAPlan',
     'WorkAssignment',
     'decomposition_work',
-    'default_group_func',
-    'factor_cost',
-    'plan_kaisa',
-    'valid_grad_worker_fractions',
 ]
 
 _Group: TypeAlias = 'ProcessGroup | None'
-GroupFunc = Callable[[list[int]], 'ProcessGroup | None']
-"""Makes a process group from a list of global ranks (or returns None)."""
 
 
 class WorkAssignment(abc.ABC):
@@ -138,64 +121,6 @@ def decomposition_work(
         }
         for name, layer in layers.items()
     }
-
-
-_T = TypeVar('_T')
-_GROUPS: dict[tuple[int, ...], Callable[[], ProcessGroup | None]] = {}
-_GROUPS_WORLD: list[Callable[[], ProcessGroup | None]] = [lambda: None]
-
-
-def _reference(value: _T) -> Callable[[], _T | None]:
-    """Return a weak reference to `value`, or a strong one if it takes none.
-
-    The group cache holds process groups weakly: it never keeps a group
-    alive once `torch.distributed` has let it go
-    (`destroy_process_group()`) and no assignment uses it, so the group is
-    freed then rather than during interpreter shutdown. What takes no weak
-    reference (the marker `new_group` returns on ranks outside the group)
-    holds no resources and is kept as it is.
-    """
-    try:
-        return weakref.ref(value)
-    except TypeError:
-        return lambda: value
-
-
-def _shared_group(ranks: list[int]) -> ProcessGroup | None:
-    """`new_group(ranks)`, made once per set of ranks and default group.
-
-    The whole world is the default group itself; other sets are created
-    once and reused by later assignments while the group lives (every rank
-    decides the same way, so the collective `new_group` calls still match
-    across ranks). The cache holds the groups weakly (see `_reference`).
-    """
-    world = dist.group.WORLD
-    if _GROUPS_WORLD[0]() is not world:
-        _GROUPS.clear()
-        _GROUPS_WORLD[0] = _reference(world)
-    key = tuple(ranks)
-    if key == tuple(range(dist.get_world_size())):
-        return world
-    group = _GROUPS[key]() if key in _GROUPS else None
-    if group is None:
-        group = dist.new_group(ranks)
-        _GROUPS[key] = _reference(group)
-    return group
-
-
-def default_group_func(world_size: int) -> GroupFunc:
-    """Return a `torch.distributed.new_group` wrapper if usable, else a no-op.
-
-    The wrapper is used when `torch.distributed` is available and
-    initialised and `world_size > 1`: it returns the default group for all
-    ranks and creates every other group once per default group (and reuses
-    it in later assignments while it lives, without keeping it alive
-    itself); otherwise the function returned makes no group and returns
-    None.
-    """
-    if world_size > 1 and dist.is_available() and dist.is_initialized():
-        return _shared_group
-    return lambda ranks: None
 
 
 class KAISAAssignment(WorkAssignment):

@@ -18,9 +18,7 @@ from kfac.layers.options import DEFAULT_MAX_FACTOR_DIM
 from kfac.layers.options import KFAC_APPROXIMATIONS
 from kfac.layers.options import check_module_options
 from kfac.layers.register import compile_patterns
-from kfac.layers.statistics import DEFAULT_LOSS_AVERAGE
-from kfac.layers.statistics import LossAverage
-from kfac.layers.statistics import resolve_loss_average
+from kfac.layers.statistics import check_loss_average
 from kfac.placement import parse_grad_worker_fraction
 from kfac.validation import check_bool
 from kfac.validation import check_choice
@@ -74,8 +72,7 @@ class KFACConfig:
     skip_layers: str | Iterable[str] | None = ()
     update_factors_in_hook: bool = True
     loglevel: int = logging.DEBUG
-    loss_average: LossAverage = DEFAULT_LOSS_AVERAGE
-    loss_reduction: str | None = None
+    loss_average: str | None = 'batch'
     batch_first: bool = True
     kfac_approx: str = 'expand'
     module_options: Mapping[str, Mapping[str, Any]] | None = None
@@ -111,10 +108,7 @@ class KFACConfig:
             'inv_dtype': check_dtype('inv_dtype', self.inv_dtype),
             'skip_layers': tuple(compile_patterns(self.skip_layers)),
             'loglevel': validate_int('loglevel', self.loglevel, minimum=0),
-            'loss_average': resolve_loss_average(
-                self.loss_average, self.loss_reduction
-            ),
-            'loss_reduction': None,
+            'loss_average': check_loss_average(self.loss_average),
             'kfac_approx': check_choice(
                 'kfac_approx', self.kfac_approx, KFAC_APPROXIMATIONS
             ),

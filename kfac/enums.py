@@ -12,6 +12,10 @@ from typing import TypeVar
 
 from kfac.validation import type_error
 
+FACTOR_NAMES = ('A', 'G')
+"""The names of a layer's two Kronecker factors, in the order they are
+handled: `A` (input side) and `G` (output-gradient side)."""
+
 
 class _ChoiceEnum(enum.Enum):
     """Base of the K-FAC enums: string values, case-insensitive lookup."""

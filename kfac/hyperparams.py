@@ -6,19 +6,14 @@ callable of the preconditioner's step count.
 validated: constants when constructed, a schedule's value at each step it is
 used; [`HyperparameterValues`][kfac.hyperparams.HyperparameterValues] holds
 the values at one step.
-
-`Resolved`, the former name of `HyperparameterValues`, still imports from
-here but is deprecated (a `DeprecationWarning`); it will be removed in the
-next release.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-import warnings
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from collections.abc import Mapping
 from typing import Any
 
 from kfac.validation import validate_float
@@ -35,8 +30,6 @@ __all__ = [
     'HyperparameterValues',
     'Hyperparameters',
     'exp_decay_factor_averaging',
-    'validate_float',
-    'validate_int',
 ]
 
 
@@ -55,10 +48,6 @@ class HyperparameterValues:
     factor_decay: float
     kl_clip: float | None
     lr: float
-
-
-if TYPE_CHECKING:  # at run time, __getattr__ warns and returns the class
-    Resolved = HyperparameterValues
 
 
 def _check(name: str, value: object, *, schedulable: bool) -> object:
@@ -137,6 +126,37 @@ class Hyperparameters:
             values[field.name] = value
         return HyperparameterValues(**values)
 
+    def replace(self, **values: Any) -> Hyperparameters:
+        """A copy with `values` replaced (validated).
+
+        Raises:
+            ValueError: a name that is no hyperparameter, or a disallowed
+                value.
+            TypeError: a value of the wrong type.
+        """
+        allowed = [f.name for f in dataclasses.fields(self)]
+        unknown = sorted(set(values) - set(allowed))
+        if unknown:
+            raise ValueError(
+                f'unknown hyperparameters {unknown}; allowed: '
+                f'{", ".join(allowed)}',
+            )
+        return dataclasses.replace(self, **values)
+
+    def restored(self, saved: Mapping[str, object]) -> Hyperparameters:
+        """A copy taking the saved constants of `saved` (a loaded state's
+        hyperparameters) wherever this one is not a schedule; names it
+        does not know are ignored.
+        """
+        return self.replace(
+            **{
+                key: value
+                for key, value in saved.items()
+                if key in self.__dataclass_fields__
+                and not callable(getattr(self, key))
+            }
+        )
+
     def constants(self) -> dict[str, float | int | None]:
         """The hyperparameters that are not schedules, by name."""
         return {
@@ -172,16 +192,3 @@ def exp_decay_factor_averaging(
         return min(min_value, s / (s + 1))
 
     return schedule
-
-
-def __getattr__(name: str) -> object:
-    """Resolve the deprecated names of this module, with a warning."""
-    if name == 'Resolved':
-        warnings.warn(
-            'kfac.hyperparams.Resolved is deprecated; use '
-            'kfac.hyperparams.HyperparameterValues',
-            DeprecationWarning,
-            stacklevel=2,
-        )
-        return HyperparameterValues
-    raise AttributeError(f'module {__name__!r} has no attribute {name!r}')

@@ -12,6 +12,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from kfac._engine.fsdp import check_model
+from kfac._engine.report import describe_registration
+from kfac._engine.report import format_report
 from kfac.assignment import KAISAAssignment
 from kfac.assignment import decomposition_work
 from kfac.base_preconditioner import BaseKFACPreconditioner
@@ -28,20 +31,15 @@ from kfac.hyperparams import Hyperparameters
 from kfac.layers.attention import convert_attention
 from kfac.layers.base import KFACBaseLayer
 from kfac.layers.eigen import KFACEigenLayer
+from kfac.layers.helper import ModuleHelper
 from kfac.layers.inverse import KFACInverseLayer
-from kfac.layers.modules import ModuleHelper
 from kfac.layers.options import DEFAULT_MAX_FACTOR_DIM
 from kfac.layers.options import ModuleOptions
 from kfac.layers.register import Registration
 from kfac.layers.register import register_model
-from kfac.layers.statistics import DEFAULT_LOSS_AVERAGE
-from kfac.layers.statistics import LossAverage
 from kfac.layers.tied import KFACTiedEigenLayer
 from kfac.layers.tied import KFACTiedInverseLayer
 from kfac.layers.tied import TiedHelper
-from kfac.report import describe_registration
-from kfac.report import format_report
-from kfac.sharding import check_model
 from kfac.validation import check_instance
 
 __all__ = ['FractionLike', 'KFACConfig', 'KFACPreconditioner']
@@ -121,8 +119,6 @@ class KFACPreconditioner(BaseKFACPreconditioner):
             reduction), `'batch+sequence'` (a mean over examples and
             positions, as language-model losses are) or `None` (a summed
             loss); see [`kfac.math`][kfac.math] for the factors of each.
-        loss_reduction: deprecated alias of `loss_average` (`'mean'` is
-            `'batch'`, `'sum'` is `None`); passing both raises.
         batch_first: the model-wide layout of module inputs: `(N, ...)`, or
             with False `(T, N, ...)` (sequence-first); modules inside an
             `nn.MultiheadAttention` or `nn.Transformer*` follow its own
@@ -145,8 +141,8 @@ class KFACPreconditioner(BaseKFACPreconditioner):
             returned to the shards; equal to one process) or `'local'`
             (each rank preconditions its own rows with the factor on the
             sharded side made block-diagonal by shard; no gradient
-            communication; needs `grad_worker_fraction='comm_opt'`). See
-            [`kfac.sharding`][kfac.sharding].
+            communication; needs `grad_worker_fraction='comm_opt'`; an
+            approximation). See the distributed guide.
 
     Every hyperparameter (`factor_update_steps` to `lr`) may also be a
     callable `step -> value`.
@@ -177,8 +173,7 @@ class KFACPreconditioner(BaseKFACPreconditioner):
         skip_layers: str | Iterable[str] | None = None,
         update_factors_in_hook: bool = True,
         loglevel: int = logging.DEBUG,
-        loss_average: LossAverage = DEFAULT_LOSS_AVERAGE,
-        loss_reduction: str | None = None,
+        loss_average: str | None = 'batch',
         batch_first: bool = True,
         kfac_approx: str = 'expand',
         module_options: Mapping[str, Mapping[str, Any]] | None = None,
@@ -209,7 +204,6 @@ class KFACPreconditioner(BaseKFACPreconditioner):
             update_factors_in_hook=update_factors_in_hook,
             loglevel=loglevel,
             loss_average=loss_average,
-            loss_reduction=loss_reduction,
             batch_first=batch_first,
             kfac_approx=kfac_approx,
             module_options=module_options,
@@ -287,7 +281,7 @@ class KFACPreconditioner(BaseKFACPreconditioner):
 
         Returns:
             `{'preconditioned': [...], 'not_preconditioned': [...]}`: see
-                [`describe_registration`][kfac.report.describe_registration].
+                `describe_registration`.
         """
         return copy.deepcopy(self._report)
 

@@ -34,9 +34,9 @@ and keeps a loader for the previous version (see `CHANGELOG.md`).
 from __future__ import annotations
 
 import dataclasses
-import warnings
+from collections.abc import Callable
 from collections.abc import Mapping
-from typing import Any
+from typing import Protocol
 from typing import TypedDict
 
 import torch
@@ -289,27 +289,77 @@ def parse_state(
     )
 
 
-# Deprecated: the engine saves and loads its own state ---------------------
+class StatefulLayer(Protocol):
+    """What [`save_layers`][kfac.state.save_layers] and
+    [`load_layers`][kfac.state.load_layers] need of a layer (a
+    [`KFACBaseLayer`][kfac.layers.base.KFACBaseLayer] has it).
+    """
+
+    @property
+    def has_factors(self) -> bool:  # noqa: D102
+        ...
+
+    def state_spec(self) -> LayerSpec:  # noqa: D102
+        ...
+
+    def saved_state(self, include_decompositions: bool) -> SavedLayer:  # noqa: D102
+        ...
+
+    def load_saved_state(self, saved: SavedLayer, keep: bool) -> bool:  # noqa: D102
+        ...
 
 
-def preconditioner_state(precon: Any, include_decompositions: bool) -> Any:
-    """Deprecated: use `precon.state_dict(include_decompositions)`."""
-    _deprecated('preconditioner_state', 'state_dict')
-    return precon.state_dict(include_decompositions)
-
-
-def load_preconditioner_state(
-    precon: Any, state: Mapping[str, Any], *, strict: bool
-) -> None:
-    """Deprecated: use `precon.load_state_dict(state, strict)`."""
-    _deprecated('load_preconditioner_state', 'load_state_dict')
-    precon.load_state_dict(state, strict)
-
-
-def _deprecated(old: str, new: str) -> None:
-    warnings.warn(
-        f'kfac.state.{old} is deprecated and will be removed in the next '
-        f'release; use BaseKFACPreconditioner.{new}',
-        DeprecationWarning,
-        stacklevel=3,
+def save_layers(
+    steps: int,
+    hyperparameters: Mapping[str, float | int | None],
+    layers: Mapping[str, StatefulLayer],
+    *,
+    include_decompositions: bool,
+) -> StateDict:
+    """The state of a preconditioner at `steps` with these constant
+    hyperparameters and layers, each saving its own.
+    """
+    saved = {
+        name: layer.saved_state(include_decompositions)
+        for name, layer in layers.items()
+    }
+    return serialize_state(
+        SavedState(steps, dict(hyperparameters), saved),
+        include_decompositions=include_decompositions,
     )
+
+
+def load_layers(
+    state: object,
+    layers: Mapping[str, StatefulLayer],
+    keep: Callable[[str], bool],
+    *,
+    strict: bool,
+) -> tuple[SavedState, list[str], list[str]]:
+    """Check `state` against `layers`, then load each layer's part.
+
+    Args:
+        state: what `state_dict()` returned.
+        layers: the loading preconditioner's layers.
+        keep: whether this rank keeps a layer's saved decompositions (it
+            is a gradient worker of that layer).
+        strict: missing or unexpected layers are errors.
+
+    Returns:
+        The parsed state; the layers whose decompositions must be
+        recomputed (none saved); those whose saved ones were restored.
+
+    Raises:
+        TypeError, ValueError: see
+            [`parse_state`][kfac.state.parse_state]; nothing is loaded then.
+    """
+    specs = {name: layer.state_spec() for name, layer in layers.items()}
+    saved = parse_state(state, specs, strict=strict)
+    recompute, restored = [], []
+    for name, layer in layers.items():
+        entry = saved.layers.get(name, SavedLayer({}))
+        if not layer.load_saved_state(entry, keep=keep(name)):
+            recompute.append(name)
+        elif layer.has_factors:
+            restored.append(name)
+    return saved, recompute, restored

@@ -11,7 +11,14 @@ import contextlib
 import time
 from collections import Counter
 from collections.abc import Callable
+from collections.abc import Iterable
 from collections.abc import Iterator
+from collections.abc import Mapping
+from typing import Any
+from typing import Protocol
+
+Phase = Callable[[str], contextlib.AbstractContextManager[None]]
+"""Times one phase of the step: `with phase('decomposition'): ...`."""
 
 PHASES = (
     'factor_capture',
@@ -68,3 +75,34 @@ class PhaseTimer:
         """Forget all measurements."""
         self.seconds.clear()
         self.counts.clear()
+
+
+class _Counted(Protocol):
+    @property
+    def counters(self) -> Counter[str]: ...
+
+    def memory_usage(self) -> dict[str, int]: ...
+
+
+def fault_counts(
+    counters: Counter[str], layers: Mapping[str, _Counted]
+) -> dict[str, Any]:
+    """`counters` plus every layer's counters, summed, and per layer under
+    `'layers'`.
+    """
+    totals: Counter[str] = Counter(counters)
+    per_layer = {}
+    for name, layer in layers.items():
+        totals.update(layer.counters)
+        per_layer[name] = dict(layer.counters)
+    return {**dict(totals), 'layers': per_layer}
+
+
+def memory_totals(layers: Iterable[_Counted]) -> dict[str, int]:
+    """The layers' `memory_usage()` summed by kind, and `'total'`."""
+    usage: dict[str, int] = {}
+    for layer in layers:
+        for key, value in layer.memory_usage().items():
+            usage[key] = usage.get(key, 0) + value
+    usage['total'] = sum(usage.values())
+    return usage

@@ -23,7 +23,8 @@ any launch aborted or failed.
 
 A gloo rank used to abort at exit (`terminate called without an active
 exception`) in a few launches in a hundred, up to 6 in 40 on a busy
-two-core machine: see the docstring of `kfac.handles` for the cause and
+two-core machine: see the docstring of `kfac.distributed._handles` for the
+cause and
 `docs/guide/troubleshooting.md` for the measured counts.
 
 Both variants train every step (FSDP2 included: gradients gathered,

@@ -18,18 +18,18 @@ suite (``make test``) never depends on it.
 Stages, each a process group of its own with its own time limit (together
 at most ``--budget``, 470 s unless told):
 
-* ``oracles``: ``tests/test_oracles.py`` with ``KFAC_TEST_DEVICE=cuda``:
+* ``oracles``: ``tests/system/test_oracles.py`` with ``KFAC_TEST_DEVICE=cuda``:
   the factors, preconditioned gradients, KL clip, running averages and
   accumulation against dense float64 references, in float64 and float32;
   ``torch.autocast`` with ``torch.amp.GradScaler('cuda')`` and with the
   deprecated ``torch.cuda.amp.GradScaler``.
-* ``robustness``: ``tests/test_robustness.py`` on CUDA (non-finite
+* ``robustness``: ``tests/system/test_robustness.py`` on CUDA (non-finite
   statistics, failed decompositions, ``GradScaler`` overflow).
-* ``host-syncs``: ``tests/test_host_syncs.py`` on CUDA: host reads
+* ``host-syncs``: ``tests/system/test_host_syncs.py`` on CUDA: host reads
   counted in Python, and CUDA synchronisations counted by PyTorch's sync
   debug mode, per step, for 3 and 9 layers.
-* ``ddp-nccl``: ``tests/test_ddp_oracle.py`` with NCCL, one rank per GPU:
-  world size 1 and each of 2-4 the GPUs allow.
+* ``ddp-nccl``: ``tests/system/test_ddp_oracle.py`` with NCCL, one rank per
+  GPU: world size 1 and each of 2-4 the GPUs allow.
 * ``bench-<model>``: ``python -m benchmarks --device cuda`` for the MLP,
   ResNet-20 and the transformer, 30 timed steps each (``make bench``
   without its CPU-only scaling study and gloo byte check).
@@ -67,10 +67,10 @@ BUDGET_S = 470.0
 KILL_GRACE_S = 10.0
 #: Test stages: name, test file, time limit in seconds.
 TEST_STAGES = (
-    ('oracles', 'tests/test_oracles.py', 80.0),
-    ('robustness', 'tests/test_robustness.py', 50.0),
-    ('host-syncs', 'tests/test_host_syncs.py', 40.0),
-    ('ddp-nccl', 'tests/test_ddp_oracle.py', 110.0),
+    ('oracles', 'tests/system/test_oracles.py', 80.0),
+    ('robustness', 'tests/system/test_robustness.py', 50.0),
+    ('host-syncs', 'tests/system/test_host_syncs.py', 40.0),
+    ('ddp-nccl', 'tests/system/test_ddp_oracle.py', 110.0),
 )
 #: Benchmarked models, timed steps per configuration, seconds per model.
 BENCH_MODELS = ('mlp', 'resnet20', 'transformer')

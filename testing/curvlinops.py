@@ -3,7 +3,7 @@
 `curvlinops-for-pytorch` (pinned in `requirements-dev.txt`, a test-only
 dependency) computes K-FAC's factors with its own hooks, patch extraction
 and loss scaling. :func:`curvlinops_factors` returns them in our layout
-(`tests/test_curvlinops.py` documents how the two libraries' options
+(`tests/system/test_curvlinops.py` documents how the two libraries' options
 map); :func:`kfac_factors` returns ours after one step on the same batch.
 
 curvlinops ships no type information (no `py.typed` marker): its names are

@@ -14,11 +14,9 @@ from typing import Any
 import pytest
 import torch.distributed as dist
 
-from kfac import assignment
-from kfac import placement
 from kfac.assignment import KAISAAssignment
 from kfac.assignment import WorkAssignment
-from kfac.assignment import default_group_func
+from kfac.distributed import default_group_func
 from tests.test_placement import GRID
 from tests.test_placement import WORK
 
@@ -227,14 +225,3 @@ def test_invalid_arguments(
 ) -> None:
     with pytest.raises(error, match=match):
         _assignment(**kwargs)
-
-
-def test_placement_names_still_import_from_assignment() -> None:
-    for name in (
-        'KAISAPlan',
-        'plan_kaisa',
-        'factor_cost',
-        'valid_grad_worker_fractions',
-    ):
-        assert getattr(assignment, name) is getattr(placement, name)
-        assert name in assignment.__all__

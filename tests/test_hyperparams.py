@@ -5,8 +5,6 @@ from typing import Any
 
 import pytest
 
-from kfac import hyperparams
-from kfac import validation
 from kfac.hyperparams import Hyperparameters
 from kfac.hyperparams import HyperparameterValues
 from kfac.hyperparams import exp_decay_factor_averaging
@@ -75,22 +73,6 @@ def test_at_returns_hyperparameter_values() -> None:
         'kl_clip': 0.001,
         'lr': values.lr,
     }
-
-
-def test_resolved_is_a_deprecated_alias() -> None:
-    with pytest.warns(DeprecationWarning, match='use kfac.hyperparams.Hyp'):
-        from kfac.hyperparams import Resolved
-    assert Resolved is HyperparameterValues
-    with pytest.warns(DeprecationWarning, match='Resolved is deprecated'):
-        assert hyperparams.Resolved is HyperparameterValues
-    assert 'Resolved' not in hyperparams.__all__
-    with pytest.raises(AttributeError, match="has no attribute 'Nope'"):
-        hyperparams.Nope  # noqa: B018  # the attribute access is the test
-
-
-def test_validators_are_still_exported() -> None:
-    assert hyperparams.validate_int is validation.validate_int
-    assert hyperparams.validate_float is validation.validate_float
 
 
 def test_exp_decay_factor_averaging() -> None:

@@ -14,9 +14,7 @@ from torch import nn
 from kfac.preconditioner import KFACPreconditioner
 from kfac.state import STATE_VERSION
 from kfac.state import LayerSpec
-from kfac.state import load_preconditioner_state
 from kfac.state import parse_state
-from kfac.state import preconditioner_state
 from kfac.state import serialize_state
 from testing.models import TinyCNN
 from testing.models import TinyMLP
@@ -347,14 +345,3 @@ def test_parse_drops_decompositions_that_do_not_fit(
     )
     assert saved.layers['fc'].decomposition is None
     assert torch.equal(saved.layers['fc'].factors['A'], torch.eye(2))
-
-
-def test_deprecated_state_functions_forward_to_the_engine() -> None:
-    _, precon = trained()
-    with pytest.warns(DeprecationWarning, match='use BaseKFACPreconditioner'):
-        state = preconditioner_state(precon, False)
-    assert 'decompositions' not in state
-    _, other = trained(damping=0.3)
-    with pytest.warns(DeprecationWarning, match='load_state_dict'):
-        load_preconditioner_state(other, state, strict=True)
-    assert other.damping == precon.damping

@@ -164,20 +164,10 @@ INVALID: list[tuple[dict[str, Any], type[Exception], str]] = [
         "loglevel must be an int >= 0; got 'DEBUG' of type str",
     ),
     (
-        {'loss_reduction': 'avg'},
-        ValueError,
-        "loss_reduction must be one of ('mean', 'sum'); got 'avg'",
-    ),
-    (
         {'loss_average': 'mean'},
         ValueError,
         "loss_average must be one of (None, 'batch', 'batch+sequence'); "
         "got 'mean'",
-    ),
-    (
-        {'loss_reduction': 'sum', 'loss_average': None},
-        ValueError,
-        'pass loss_average or the deprecated loss_reduction, not both',
     ),
     ({'kfac_approx': 'merge'}, ValueError, 'kfac_approx must be one of'),
     (

@@ -30,9 +30,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kfac.layers.helper import Grads
+from kfac.layers.helper import read_grad
+from kfac.layers.helper import write_rows
 from kfac.layers.modules import LinearModuleHelper
-from kfac.layers.modules import write_rows
-from kfac.sharding import current_grad
 
 _NAMES = ('q_proj', 'k_proj', 'v_proj')
 _SEPARATE = ('q_proj_weight', 'k_proj_weight', 'v_proj_weight')
@@ -252,14 +253,16 @@ class AttentionProjectionHelper(LinearModuleHelper):
         """The projection's input size (`E`, `kdim` or `vdim`)."""
         return self.weight.shape[1]
 
-    def get_grad(self) -> torch.Tensor | None:  # noqa: D102
-        wgrad = current_grad(self.weight)
+    def get_grad(  # noqa: D102
+        self, grads: Grads | None = None
+    ) -> torch.Tensor | None:
+        wgrad = read_grad(self.weight, grads)
         if wgrad is None:
             return None
         v = wgrad[self.rows]
         bias = self.bias
         if bias is not None:
-            bgrad = current_grad(bias)
+            bgrad = read_grad(bias, grads)
             part = (
                 torch.zeros_like(v[:, 0])
                 if bgrad is None
@@ -277,9 +280,10 @@ class AttentionProjectionHelper(LinearModuleHelper):
         self,
         grad: torch.Tensor,
         scale: torch.Tensor | None = None,
+        grads: Grads | None = None,
     ) -> None:
         weight_part = grad if self.bias is None else grad[:, :-1]
-        write_rows(self.weight, self.rows, weight_part, scale)
+        write_rows(self.weight, self.rows, weight_part, scale, grads)
         bias = self.bias
         if bias is not None:
-            write_rows(bias, self._bias_rows(), grad[:, -1], scale)
+            write_rows(bias, self._bias_rows(), grad[:, -1], scale, grads)

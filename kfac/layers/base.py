@@ -5,9 +5,11 @@ Kronecker factors and does what it is told: capture hook data, update the
 running averages, compute a factor's decomposition and precondition the
 gradient. It exposes its tensors (factors, decompositions, gradients) and
 their layout; it never communicates. The collectives that move those
-tensors between ranks live in [`kfac.exchange`][kfac.exchange], and which
-rank does what is decided by a
-[`WorkAssignment`][kfac.assignment.WorkAssignment].
+tensors between ranks live in [`kfac.distributed`][kfac.distributed], and
+which rank does what is decided by a
+[`WorkAssignment`][kfac.assignment.WorkAssignment]. Gradients are read
+and written through a [`Grads`][kfac.layers.modules.Grads] the engine's
+gradient placement hands the layer (default: the parameters' `.grad`).
 """
 
 from __future__ import annotations
@@ -17,37 +19,19 @@ from collections import Counter
 
 import torch
 
-from kfac.layers.compat import DeprecatedCollectives
-from kfac.layers.decomposition import JITTER
-from kfac.layers.decomposition import Attempt
-from kfac.layers.decomposition import Decomposed
+from kfac.enums import FACTOR_NAMES
 from kfac.layers.decomposition import DecompositionAttempts
 from kfac.layers.decomposition import Layout
-from kfac.layers.decomposition import LinAlgError
-from kfac.layers.modules import ModuleHelper
-from kfac.layers.statistics import DEFAULT_LOSS_AVERAGE
-from kfac.layers.statistics import LOSS_REDUCTIONS
-from kfac.layers.statistics import LayerStatistics
-from kfac.layers.statistics import LossAverage
+from kfac.layers.helper import Grads
+from kfac.layers.helper import ModuleHelper
+from kfac.state import LayerSpec
+from kfac.state import SavedDecomposition
+from kfac.state import SavedLayer
 
-__all__ = [
-    'FACTOR_NAMES',
-    'JITTER',
-    'LOSS_REDUCTIONS',
-    'Attempt',
-    'Decomposed',
-    'KFACBaseLayer',
-    'Layout',
-    'LinAlgError',
-]
-
-FACTOR_NAMES = ('A', 'G')
-"""The names of a layer's two factors, in the order they are handled."""
+__all__ = ['KFACBaseLayer']
 
 
-class KFACBaseLayer(
-    LayerStatistics, DecompositionAttempts, DeprecatedCollectives, abc.ABC
-):
+class KFACBaseLayer(DecompositionAttempts):
     """K-FAC state of one module.
 
     Args:
@@ -64,8 +48,6 @@ class KFACBaseLayer(
             multiplied by `N`), `'batch+sequence'` (over examples and
             positions) or `None` (a summed loss); see
             [`kfac.math`][kfac.math].
-        loss_reduction: deprecated alias of `loss_average` (`'mean'` is
-            `'batch'`, `'sum'` is `None`).
 
     """
 
@@ -75,15 +57,13 @@ class KFACBaseLayer(
         *,
         factor_dtype: torch.dtype | None = None,
         inv_dtype: torch.dtype | None = None,
-        loss_average: LossAverage = DEFAULT_LOSS_AVERAGE,
-        loss_reduction: str | None = None,
+        loss_average: str | None = 'batch',
     ) -> None:
         super().__init__(
             module,
             factor_dtype=factor_dtype,
             inv_dtype=inv_dtype,
             loss_average=loss_average,
-            loss_reduction=loss_reduction,
         )
         self.factor_masks = {}
         self.grad: torch.Tensor | None = None
@@ -106,20 +86,6 @@ class KFACBaseLayer(
         return moved
 
     # Decompositions --------------------------------------------------------
-
-    @abc.abstractmethod
-    def _decompose(
-        self,
-        name: str,
-        matrix: torch.Tensor,
-        dtype: torch.dtype,
-        damping: float,
-    ) -> Decomposed:
-        """Decompose `matrix` (factor `name`) computing in `dtype`.
-
-        Raises:
-            torch.linalg.LinAlgError: the decomposition failed.
-        """
 
     @property
     @abc.abstractmethod
@@ -164,6 +130,14 @@ class KFACBaseLayer(
         for name in FACTOR_NAMES:
             self.factor(name).decomposition = None
 
+    def mask_factor(self, name: str, mask: torch.Tensor) -> None:
+        """Decompose factor `name` multiplied by the boolean `mask` from
+        now on (FSDP2 local mode: the blocks of rows each shard owns).
+        A diagonal factor is left alone: it is block-diagonal already.
+        """
+        if not self.factor(name).diagonal:
+            self.factor_masks[name] = mask
+
     # Gradients -------------------------------------------------------------
 
     @property
@@ -177,7 +151,9 @@ class KFACBaseLayer(
     ) -> torch.Tensor:
         """Return the preconditioned `V` (in `inv_dtype`)."""
 
-    def precondition_grad(self, damping: float) -> torch.Tensor | None:
+    def precondition_grad(
+        self, damping: float, grads: Grads | None = None
+    ) -> torch.Tensor | None:
         """Compute [`grad`][kfac.layers.base.KFACBaseLayer.grad] from the
         module's current gradient.
 
@@ -185,7 +161,7 @@ class KFACBaseLayer(
         attempt to compute one failed) the raw gradient stands in for the
         preconditioned one, and the event is counted.
         """
-        grad = self.module.get_grad()
+        grad = self.module.get_grad(grads)
         if grad is None:
             self.grad = None
             return None
@@ -211,7 +187,7 @@ class KFACBaseLayer(
         """Store a preconditioned gradient received from a gradient worker."""
         self.grad = grad
 
-    def grad_inner_product(self) -> torch.Tensor:
+    def grad_inner_product(self, grads: Grads | None = None) -> torch.Tensor:
         """`Σ V' ⊙ V` (0-d) of a layer whose preconditioned gradient is set.
 
         A rank that received `V'` reads its own `V` from the module.
@@ -221,18 +197,24 @@ class KFACBaseLayer(
             raise RuntimeError(f'{self} has no preconditioned gradient')
         raw = self.raw_grad
         if raw is None:
-            raw = self.module.get_grad()
+            raw = self.module.get_grad(grads)
             assert raw is not None  # V' exists only for modules with V
         return torch.vdot(grad.reshape(-1), raw.to(grad.dtype).reshape(-1))
 
-    def write_grad(self, scale: torch.Tensor | None) -> None:
+    def write_grad(
+        self, scale: torch.Tensor | None, grads: Grads | None = None
+    ) -> None:
         """Write [`grad`][kfac.layers.base.KFACBaseLayer.grad] (times
         `scale`) into `.grad` and clear it.
         """
         grad = self.grad
         self.grad = self.raw_grad = None
         if grad is not None:
-            self.module.set_grad(grad, scale)
+            self.module.set_grad(grad, scale, grads)
+
+    def clear_grad(self) -> None:
+        """Forget this step's preconditioned and raw gradients."""
+        self.grad = self.raw_grad = None
 
     def discard_grad(self) -> None:
         """Drop a non-finite preconditioned gradient, leaving `.grad` as it
@@ -240,6 +222,56 @@ class KFACBaseLayer(
         """
         self.grad = self.raw_grad = None
         self.counters['nonfinite_gradients'] += 1
+
+    # State -----------------------------------------------------------------
+
+    def state_spec(self) -> LayerSpec:
+        """What this layer's saved state must look like (checked when a
+        state is loaded; see [`kfac.state`][kfac.state]).
+        """
+        return LayerSpec(
+            {f.name: f.dim for f in self.factors},
+            self.decomposition_format,
+            {
+                f: tuple(s for s, _ in self.decomposition_layout(f))
+                for f in FACTOR_NAMES
+            },
+            frozenset(f.name for f in self.factors if f.diagonal),
+        )
+
+    def saved_state(self, include_decompositions: bool) -> SavedLayer:
+        """The running factors, and the decompositions held here if
+        `include_decompositions`.
+        """
+        decomposition = None
+        if include_decompositions and self.has_decomposition:
+            decomposition = SavedDecomposition(
+                self.decomposition_format,
+                {f: self.decomposition(f) or () for f in FACTOR_NAMES},
+            )
+        factors = {
+            f.name: f.value for f in self.factors if f.value is not None
+        }
+        return SavedLayer(factors, decomposition)
+
+    def load_saved_state(self, saved: SavedLayer, keep: bool) -> bool:
+        """Restore the running factors of `saved` (a missing one is
+        unset) and, if `keep` (a gradient worker), its decompositions.
+
+        Returns:
+            Whether `saved` had decompositions; without them they must be
+            recomputed.
+        """
+        for factor in self.factors:
+            self.set_factor(factor.name, saved.factors.get(factor.name))
+        self.clear_decompositions()
+        restored = saved.decomposition
+        if restored is None:
+            return False
+        if keep:
+            for f in FACTOR_NAMES:
+                self.set_decomposition(f, restored.tensors[f])
+        return True
 
     # Introspection ---------------------------------------------------------
 

@@ -46,7 +46,8 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 
-from kfac.layers.modules import ModuleHelper
+from kfac.layers.helper import Grads
+from kfac.layers.helper import ModuleHelper
 from kfac.layers.tied import TiedHelper
 from kfac.validation import validate_int
 
@@ -233,20 +234,21 @@ class BlockHelper(ModuleHelper):
 
     # Gradients ---------------------------------------------------------------
 
-    def get_grad(self) -> torch.Tensor | None:
+    def get_grad(self, grads: Grads | None = None) -> torch.Tensor | None:
         """The tile `V[rows, cols]` (None without a gradient)."""
-        grad = self.base.get_grad()
+        grad = self.base.get_grad(grads)
         return None if grad is None else grad[self.rows, self.cols]
 
     def set_grad(
         self,
         grad: torch.Tensor,
         scale: torch.Tensor | None = None,
+        grads: Grads | None = None,
     ) -> None:
         """Write the tile (times `scale`) into the module's gradient; the
         rest of the gradient is read and written back unchanged.
         """
-        whole = self.base.get_grad()
+        whole = self.base.get_grad(grads)
         if whole is None:
             whole = grad.new_zeros(self.base.grad_shape)
         else:
@@ -256,7 +258,7 @@ class BlockHelper(ModuleHelper):
             tile.copy_(grad)
         else:
             torch.mul(grad, scale, out=tile)
-        self.base.set_grad(whole)
+        self.base.set_grad(whole, grads=grads)
 
 
 def block_helpers(

@@ -18,10 +18,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kfac.layers.modules import PATCH_BLOCK_ELEMENTS
-from kfac.layers.modules import ModuleHelper
-from kfac.layers.modules import write_rows
-from kfac.sharding import current_grad
+from kfac.layers.helper import PATCH_BLOCK_ELEMENTS
+from kfac.layers.helper import Grads
+from kfac.layers.helper import ModuleHelper
+from kfac.layers.helper import read_grad
+from kfac.layers.helper import write_rows
 
 _CONVOLUTIONS = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
 
@@ -214,14 +215,16 @@ class ConvGroupHelper(ConvModuleHelper):
         grad = self._channels(grad_output, self._out)
         return super().g_columns(grad, dtype, scale)
 
-    def get_grad(self) -> torch.Tensor | None:  # noqa: D102
-        wgrad = current_grad(self.weight)
+    def get_grad(  # noqa: D102
+        self, grads: Grads | None = None
+    ) -> torch.Tensor | None:
+        wgrad = read_grad(self.weight, grads)
         if wgrad is None:
             return None
         v = wgrad[self.rows].reshape(self._out, -1)
         bias = self.bias
         if bias is not None:
-            part = current_grad(bias)
+            part = read_grad(bias, grads)
             column = (
                 torch.zeros_like(v[:, 0]) if part is None else part[self.rows]
             )
@@ -232,16 +235,21 @@ class ConvGroupHelper(ConvModuleHelper):
         self,
         grad: torch.Tensor,
         scale: torch.Tensor | None = None,
+        grads: Grads | None = None,
     ) -> None:
         rows = self.rows
         weight = self.weight
         weight_part = grad if self.bias is None else grad[:, :-1]
         write_rows(
-            weight, rows, weight_part.reshape(weight[rows].shape), scale
+            weight,
+            rows,
+            weight_part.reshape(weight[rows].shape),
+            scale,
+            grads,
         )
         bias = self.bias
         if bias is not None:
-            write_rows(bias, rows, grad[:, -1], scale)
+            write_rows(bias, rows, grad[:, -1], scale, grads)
 
 
 Conv2dModuleHelper = ConvModuleHelper

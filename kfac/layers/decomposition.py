@@ -7,16 +7,14 @@ retried in float64, then in float64 with a small diagonal jitter.
 
 from __future__ import annotations
 
+import abc
+from collections import Counter
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
 from typing import NamedTuple
 
 import torch
 
-if TYPE_CHECKING:
-    from collections import Counter
-
-    from kfac.layers.factor import KroneckerFactor
+from kfac.layers.statistics import LayerStatistics
 
 LinAlgError: type[Exception] = torch.linalg.LinAlgError  # type: ignore[attr-defined]  # public, but not re-exported in the stubs
 """`torch.linalg.LinAlgError`, raised by a failed decomposition."""
@@ -90,32 +88,34 @@ def prepare(
     return matrix + jitter * scale * eye
 
 
-class DecompositionAttempts:
-    """Decomposing a layer's factors with retries (a `KFACBaseLayer` base).
+class DecompositionAttempts(LayerStatistics, abc.ABC):
+    """Decomposing a layer's factors with retries (the base of
+    [`KFACBaseLayer`][kfac.layers.base.KFACBaseLayer], above its
+    statistics).
 
-    The layer supplies `_decompose` (one attempt's routine) and may
+    A subclass supplies `_decompose` (one attempt's routine) and may
     override `_finalize` (what is stored from a valid attempt).
     """
 
-    decomposition_dtype: torch.dtype
-    inv_dtype: torch.dtype
     counters: Counter[str]
     factor_masks: dict[str, torch.Tensor]
     """Per factor name, a boolean mask applied to the matrix before it
     is decomposed (FSDP2 local mode: keep the blocks of rows one rank
-    owns; see [`kfac.sharding`][kfac.sharding])."""
+    owns)."""
 
-    if TYPE_CHECKING:
+    @abc.abstractmethod
+    def _decompose(
+        self,
+        name: str,
+        matrix: torch.Tensor,
+        dtype: torch.dtype,
+        damping: float,
+    ) -> Decomposed:
+        """Decompose `matrix` (factor `name`) computing in `dtype`.
 
-        def factor(self, name: str) -> KroneckerFactor: ...  # noqa: D102
-
-        def _decompose(
-            self,
-            name: str,
-            matrix: torch.Tensor,
-            dtype: torch.dtype,
-            damping: float,
-        ) -> Decomposed: ...
+        Raises:
+            torch.linalg.LinAlgError: the decomposition failed.
+        """
 
     def compute_decomposition(self, name: str, damping: float) -> bool:
         """Decompose factor `name`; store it in the factor.

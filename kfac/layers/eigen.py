@@ -14,7 +14,7 @@ from kfac.layers.base import KFACBaseLayer
 from kfac.layers.decomposition import Decomposed
 from kfac.layers.decomposition import Layout
 from kfac.layers.embedding import diagonal_eigen_precondition
-from kfac.layers.modules import ModuleHelper
+from kfac.layers.helper import ModuleHelper
 from kfac.math import eigen_precondition
 from kfac.math import eigenvalue_outer_product
 from kfac.math import symmetric_eigh

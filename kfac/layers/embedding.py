@@ -49,8 +49,9 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 
-from kfac.layers.modules import ModuleHelper
-from kfac.sharding import current_grad
+from kfac.layers.helper import Grads
+from kfac.layers.helper import ModuleHelper
+from kfac.layers.helper import read_grad
 
 __all__ = [
     'EmbeddingModuleHelper',
@@ -154,23 +155,24 @@ class EmbeddingModuleHelper(ModuleHelper):
         dim = self.module.embedding_dim
         return (dim, dim)
 
-    def get_grad(self) -> torch.Tensor | None:
+    def get_grad(self, grads: Grads | None = None) -> torch.Tensor | None:
         """Return `V = (∇W)ᵀ` of shape `(d, V)` (a view of `weight.grad`).
 
         None when the weight has no gradient in this step.
         """
-        wgrad = current_grad(self.weight)
+        wgrad = read_grad(self.weight, grads)
         return None if wgrad is None else wgrad.T
 
     def set_grad(
         self,
         grad: torch.Tensor,
         scale: torch.Tensor | None = None,
+        grads: Grads | None = None,
     ) -> None:
         """Write `V` of shape `(d, V)` (times `scale`) into `weight.grad`,
         transposed.
         """
-        super().set_grad(grad.T, scale)
+        super().set_grad(grad.T, scale, grads)
 
     def a_statistic(
         self,

@@ -21,8 +21,8 @@ from kfac.layers.conv import ConvGroupHelper
 from kfac.layers.conv import ConvModuleHelper
 from kfac.layers.embedding import EmbeddingModuleHelper
 from kfac.layers.embedding import unsupported_reason
+from kfac.layers.helper import ModuleHelper
 from kfac.layers.modules import LinearModuleHelper
-from kfac.layers.modules import ModuleHelper
 from kfac.layers.options import ModuleOptions
 from kfac.layers.options import check_module_options
 from kfac.layers.options import check_pattern

@@ -14,69 +14,26 @@ pass are further positions of the same examples (see the conventions in
 
 from __future__ import annotations
 
-import enum
-import warnings
-
 import torch
 
 from kfac.layers.factor import Captured
 from kfac.layers.factor import KroneckerFactor
-from kfac.layers.modules import ModuleHelper
+from kfac.layers.helper import ModuleHelper
 from kfac.math import compute_dtype
-from kfac.validation import check_choice
 from kfac.validation import check_dtype
 from kfac.validation import check_instance
-
-LOSS_REDUCTIONS = ('mean', 'sum')
-"""Allowed values of the deprecated `loss_reduction`."""
 
 LOSS_AVERAGES = (None, 'batch', 'batch+sequence')
 """Allowed values of `loss_average`: how the loss averages its terms."""
 
 
-class _Default(enum.Enum):
-    """The default `loss_average`, told apart from an explicit value."""
-
-    BATCH = 'batch'
-
-
-DEFAULT_LOSS_AVERAGE = _Default.BATCH
-"""`loss_average` when neither it nor `loss_reduction` is given:
-`'batch'`."""
-
-LossAverage = str | None | _Default
-"""A `loss_average` argument as accepted."""
-
-
-def resolve_loss_average(
-    loss_average: object, loss_reduction: object = None
-) -> str | None:
-    """The `loss_average` in force, from it or the deprecated
-    `loss_reduction` (`'mean'` is `'batch'`, `'sum'` is `None`).
+def check_loss_average(loss_average: object) -> str | None:
+    """Return `loss_average` if allowed.
 
     Raises:
-        ValueError: both are given, or a value is not allowed.
-        TypeError: `loss_reduction` is not a string.
+        ValueError: a value outside
+            [`LOSS_AVERAGES`][kfac.layers.statistics.LOSS_AVERAGES].
     """
-    if loss_reduction is not None:
-        warnings.warn(
-            'loss_reduction is deprecated and will be removed in the next '
-            "release; use loss_average ('mean' is 'batch', 'sum' is None)",
-            DeprecationWarning,
-            stacklevel=3,
-        )
-        if loss_average is not DEFAULT_LOSS_AVERAGE:
-            raise ValueError(
-                'pass loss_average or the deprecated loss_reduction, not '
-                f'both; got loss_average={loss_average!r} and '
-                f'loss_reduction={loss_reduction!r}',
-            )
-        reduction = check_choice(
-            'loss_reduction', loss_reduction, LOSS_REDUCTIONS
-        )
-        return 'batch' if reduction == 'mean' else None
-    if loss_average is DEFAULT_LOSS_AVERAGE:
-        return 'batch'
     if loss_average not in LOSS_AVERAGES:
         raise ValueError(
             f'loss_average must be one of {LOSS_AVERAGES}; got '
@@ -96,8 +53,6 @@ class LayerStatistics:
         loss_average: how the loss averages its terms: `None` (summed),
             `'batch'` (over the `N` examples) or `'batch+sequence'` (over
             the `N T` examples and positions); see [`kfac.math`][kfac.math].
-        loss_reduction: deprecated: `'mean'` is `loss_average='batch'`,
-            `'sum'` is `None`.
     """
 
     def __init__(
@@ -106,8 +61,7 @@ class LayerStatistics:
         *,
         factor_dtype: torch.dtype | None = None,
         inv_dtype: torch.dtype | None = None,
-        loss_average: LossAverage = DEFAULT_LOSS_AVERAGE,
-        loss_reduction: str | None = None,
+        loss_average: str | None = 'batch',
     ) -> None:
         check_instance(
             'module',
@@ -117,7 +71,7 @@ class LayerStatistics:
         )
         check_dtype('factor_dtype', factor_dtype)
         check_dtype('inv_dtype', inv_dtype)
-        self.loss_average = resolve_loss_average(loss_average, loss_reduction)
+        self.loss_average = check_loss_average(loss_average)
         self.module = module
         self._dtype_options = (factor_dtype, inv_dtype)
         self._set_dtypes(module.weight.dtype)
@@ -175,8 +129,12 @@ class LayerStatistics:
     # Factors ---------------------------------------------------------------
 
     @property
-    def factors(self) -> tuple[KroneckerFactor, KroneckerFactor]:
-        """`(A, G)`."""
+    def factors(self) -> tuple[KroneckerFactor, ...]:
+        """The running factors this layer keeps, allreduces and saves:
+        `(A, G)`, except for a weight tied in two roles, which keeps one
+        pair per use (see [`kfac.layers.tied`][kfac.layers.tied]). The
+        decompositions always belong to `factor('A')` and `factor('G')`.
+        """
         return (self.a, self.g)
 
     def factor(self, name: str) -> KroneckerFactor:

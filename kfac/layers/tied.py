@@ -42,8 +42,9 @@ import torch
 from kfac.layers.eigen import KFACEigenLayer
 from kfac.layers.factor import Captured
 from kfac.layers.factor import KroneckerFactor
+from kfac.layers.helper import Grads
+from kfac.layers.helper import ModuleHelper
 from kfac.layers.inverse import KFACInverseLayer
-from kfac.layers.modules import ModuleHelper
 from kfac.layers.statistics import LayerStatistics
 from kfac.math import kronecker_sum_factors
 
@@ -117,13 +118,18 @@ class TiedHelper(ModuleHelper):
     def g_factor_shape(self) -> tuple[int, int]:  # noqa: D102
         return self.embedding.g_factor_shape
 
-    def get_grad(self) -> torch.Tensor | None:  # noqa: D102
-        return self.embedding.get_grad()
+    def get_grad(  # noqa: D102
+        self, grads: Grads | None = None
+    ) -> torch.Tensor | None:
+        return self.embedding.get_grad(grads)
 
     def set_grad(  # noqa: D102
-        self, grad: torch.Tensor, scale: torch.Tensor | None = None
+        self,
+        grad: torch.Tensor,
+        scale: torch.Tensor | None = None,
+        grads: Grads | None = None,
     ) -> None:
-        self.embedding.set_grad(grad, scale)
+        self.embedding.set_grad(grad, scale, grads)
 
     def a_columns(
         self, layer_input: torch.Tensor, dtype: torch.dtype
@@ -175,7 +181,7 @@ class _TiedStatistics(LayerStatistics):
         self._examples = [0, 0]
 
     @property
-    def factors(self) -> tuple[KroneckerFactor, ...]:  # type: ignore[override]  # four: two per use
+    def factors(self) -> tuple[KroneckerFactor, ...]:
         """The running factors of both uses (what is reduced and saved)."""
         return tuple(f for use in self.uses for f in use.factors)
 

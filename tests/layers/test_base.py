@@ -53,23 +53,11 @@ def decomposed(
     return layer, x, gout
 
 
-def test_layer_validates_loss_average_and_its_deprecated_alias() -> None:
+def test_layer_validates_loss_average() -> None:
     helper = LinearModuleHelper(nn.Linear(2, 2))
     with pytest.raises(ValueError, match='loss_average must be one of'):
         KFACEigenLayer(helper, loss_average='mean')
-    with pytest.warns(DeprecationWarning, match='use loss_average'):
-        layer = KFACEigenLayer(helper, loss_reduction='sum')
-    assert layer.loss_average is None
-    with (
-        pytest.warns(DeprecationWarning, match='use loss_average'),
-        pytest.raises(ValueError, match='not both'),
-    ):
-        KFACEigenLayer(helper, loss_reduction='mean', loss_average='batch')
-    with (
-        pytest.warns(DeprecationWarning, match='use loss_average'),
-        pytest.raises(ValueError, match='loss_reduction must be one of'),
-    ):
-        KFACEigenLayer(helper, loss_reduction='avg')
+    assert KFACEigenLayer(helper, loss_average=None).loss_average is None
 
 
 def test_unknown_factor_name_is_rejected() -> None:

@@ -19,6 +19,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 from torch import nn
 
+from kfac._engine.report import format_report
 from kfac.assignment import KAISAAssignment
 from kfac.assignment import decomposition_work
 from kfac.layers.blocks import BlockHelper
@@ -28,7 +29,6 @@ from kfac.layers.modules import LinearModuleHelper
 from kfac.layers.options import ModuleOptions
 from kfac.layers.register import register_model
 from kfac.preconditioner import KFACPreconditioner
-from kfac.report import format_report
 from testing.asserts import assert_rel_close
 from testing.reference import eigen_reference
 from testing.reference import layer_factors

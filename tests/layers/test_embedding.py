@@ -16,8 +16,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from kfac.distributed import TorchDistributedCommunicator
-from kfac.exchange import decomposition_payload
-from kfac.exchange import start_factor_allreduce
+from kfac.distributed._exchange import decomposition_payload
+from kfac.distributed._exchange import start_factor_allreduce
 from kfac.layers.base import KFACBaseLayer
 from kfac.layers.decomposition import JITTER
 from kfac.layers.decomposition import prepare

@@ -64,13 +64,3 @@ def test_reduce_is_expand_without_sharing() -> None:
     for mine, theirs in zip(*values):
         assert mine is not None and theirs is not None
         assert torch.equal(mine, theirs)
-
-
-def test_deprecated_loss_reduction_maps_to_loss_average() -> None:
-    with pytest.warns(DeprecationWarning, match='use loss_average'):
-        precon = KFACPreconditioner(nn.Linear(2, 2), loss_reduction='mean')
-    assert precon.config.loss_average == 'batch'
-    assert precon.config.loss_reduction is None
-    with pytest.warns(DeprecationWarning, match='use loss_average'):
-        summed = KFACPreconditioner(nn.Linear(2, 2), loss_reduction='sum')
-    assert summed.layers[''].loss_average is None

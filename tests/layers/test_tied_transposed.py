@@ -16,11 +16,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kfac._engine.report import format_report
 from kfac.layers.register import register_model
 from kfac.layers.tied import KFACTiedEigenLayer
 from kfac.layers.tied import TiedHelper
 from kfac.preconditioner import KFACPreconditioner
-from kfac.report import format_report
 from testing.asserts import assert_rel_close
 from testing.reference import eigen_reference
 from testing.reference import inverse_reference

@@ -1,0 +1,48 @@
+"""Every collective K-FAC issues, and the process groups it uses.
+
+The public names are the communicator and the helpers that work without
+an initialised process group:
+
+* the communicator,
+  [`TorchDistributedCommunicator`][kfac.distributed.TorchDistributedCommunicator]:
+  allreduce (plain and bucketed), broadcast, all-gather and scatter as
+  handles with `wait()`;
+* [`get_rank`][kfac.distributed.get_rank] and
+  [`get_world_size`][kfac.distributed.get_world_size]: rank 0 of 1 without
+  `torch.distributed`;
+* [`get_triu`][kfac.distributed.get_triu] and
+  [`fill_triu`][kfac.distributed.fill_triu]: a symmetric matrix as its
+  packed upper triangle and back;
+* [`default_group_func`][kfac.distributed.default_group_func]: the process
+  groups of a KAISA assignment.
+
+The private modules hold the machinery: handles, buckets, packing, the
+exchanges of one step (factors, decompositions, gradients) and the
+gathers and scatters of sharded gradients. No module of `kfac` outside this
+package issues a collective (`torch.distributed.checkpoint` in
+[`kfac.checkpoint`][kfac.checkpoint] excepted).
+"""
+
+from __future__ import annotations
+
+from kfac.distributed._communicator import TorchDistributedCommunicator
+from kfac.distributed._groups import GroupFunc
+from kfac.distributed._groups import default_group_func
+from kfac.distributed._groups import get_rank
+from kfac.distributed._groups import get_world_size
+from kfac.distributed._handles import Handle
+from kfac.distributed._packing import NonSquareTensorError
+from kfac.distributed._packing import fill_triu
+from kfac.distributed._packing import get_triu
+
+__all__ = [
+    'GroupFunc',
+    'Handle',
+    'NonSquareTensorError',
+    'TorchDistributedCommunicator',
+    'default_group_func',
+    'fill_triu',
+    'get_rank',
+    'get_triu',
+    'get_world_size',
+]

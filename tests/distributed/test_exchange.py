@@ -1,0 +1,104 @@
+"""kfac.distributed._exchange at world size 1 (no process group): storage
+and protocol.
+
+The same functions run across ranks in tests/system/test_ddp_oracle.py and
+tests/system/test_distributed*.py.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from kfac.distributed import TorchDistributedCommunicator
+from kfac.distributed._exchange import FactorReduction
+from kfac.distributed._exchange import KFACDistributedError
+from kfac.distributed._exchange import decomposition_payload
+from kfac.distributed._exchange import start_decomposition_broadcast
+from kfac.distributed._exchange import start_factor_allreduce
+from kfac.distributed._exchange import start_grad_broadcast
+from kfac.distributed._exchange import wait
+from kfac.layers.eigen import KFACEigenLayer
+from kfac.layers.inverse import KFACInverseLayer
+from kfac.layers.modules import LinearModuleHelper
+
+F64 = torch.float64
+
+
+def _layer(cls: type = KFACEigenLayer) -> KFACEigenLayer:
+    torch.manual_seed(0)
+    layer = cls(LinearModuleHelper(nn.Linear(3, 2).double()))
+    x = torch.randn(5, 3, dtype=F64)
+    layer.save_layer_input(x, now=True)
+    layer.save_layer_grad_output(torch.randn(5, 2, dtype=F64), now=True)
+    return layer  # type: ignore[no-any-return]
+
+
+def test_allreduce_before_the_first_update_raises() -> None:
+    layer = KFACEigenLayer(LinearModuleHelper(nn.Linear(2, 2)))
+    with pytest.raises(RuntimeError, match='allreduced before its first'):
+        start_factor_allreduce(
+            TorchDistributedCommunicator(), layer, bucketed=False
+        )
+
+
+@pytest.mark.parametrize('finite', [True, False])
+def test_factor_reduction_stores_factors_and_counts_faults(
+    finite: bool,
+) -> None:
+    layer = _layer()
+    flag = layer.update_factors(0.9)
+    assert flag is not None
+    reduction = FactorReduction(TorchDistributedCommunicator(), bucketed=True)
+    expected = [f.value for f in layer.factors]
+    reduction.start('fc', layer, flag if finite else ~flag)
+    bad = reduction.finish()
+    assert bad == (0 if finite else 1)
+    if finite:  # committed: a rollback has nothing provisional to undo
+        layer.rollback_factors()
+        for factor, value in zip(layer.factors, expected):
+            assert factor.value is value
+    else:  # every update of the step rolled back (the first: to None)
+        assert all(f.value is None for f in layer.factors)
+    assert reduction.finish() == 0  # nothing left over
+
+
+def test_payload_is_nan_without_a_decomposition() -> None:
+    layer = _layer()
+    layer.update_factors(0.9)
+    payload = decomposition_payload(layer, 'A')
+    shapes = [shape for shape, _ in layer.decomposition_layout('A')]
+    assert [tuple(t.shape) for t in payload] == shapes
+    assert all(torch.isnan(t).all() for t in payload)
+    assert layer.compute_decomposition('A', 0.1)
+    assert decomposition_payload(layer, 'A') is layer.decomposition('A')
+
+
+def test_world_size_one_broadcasts_return_their_inputs() -> None:
+    comm = TorchDistributedCommunicator()
+    layer = _layer(KFACInverseLayer)
+    layer.update_factors(0.9)
+    assert layer.compute_decomposition('G', 0.1)
+    handles = start_decomposition_broadcast(
+        comm, layer, 'G', src=0, group=None
+    )
+    g = layer.decomposition('G')
+    assert g is not None
+    assert [h.wait() for h in handles] == list(g)
+    buffer = start_grad_broadcast(comm, layer, src=0, group=None).wait()
+    assert buffer.shape == layer.module.grad_shape  # a receive buffer
+    assert layer.grad is None
+
+
+class _Failing:
+    def wait(self) -> torch.Tensor:
+        raise RuntimeError('peer vanished')
+
+    def done(self) -> bool:
+        return True
+
+
+def test_wait_names_the_operation() -> None:
+    with pytest.raises(KFACDistributedError, match='K-FAC x failed on rank 0'):
+        wait(_Failing(), 'x')  # type: ignore[arg-type]
