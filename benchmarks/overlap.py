@@ -25,6 +25,7 @@ import torch.distributed as dist
 
 from benchmarks.models import build
 from kfac.base_preconditioner import BaseKFACPreconditioner
+from kfac.config import EngineOptions
 from kfac.distributed import TorchDistributedCommunicator
 from kfac.preconditioner import KFACPreconditioner
 
@@ -59,7 +60,7 @@ def _probe(name: str, bucket_cap_mb: float) -> dict[str, Any]:
         assignment=full.assignment,
         hyperparameters=full.hyperparameters,
         communicator=comm,
-        bucketed=bucket_cap_mb > 0,
+        options=EngineOptions(bucketed=bucket_cap_mb > 0),
     )
     loss = bench.loss(model(bench.inputs[0]), bench.target[0])
     loss.backward()

@@ -13,6 +13,7 @@ builds it all from a model and keyword arguments.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 from collections.abc import Iterable
 from collections.abc import Mapping
@@ -25,11 +26,13 @@ from kfac._engine.capture import Capture
 from kfac._engine.capture import GradScalerLike
 from kfac._engine.capture import check_grad_scaler
 from kfac._engine.grad_placement import make_placement
+from kfac._engine.phases import ClipMonitor
 from kfac._engine.phases import FactorUpdates
 from kfac._engine.phases import Faults
 from kfac._engine.phases import decompose
 from kfac._engine.phases import precondition
 from kfac.assignment import WorkAssignment
+from kfac.config import EngineOptions
 from kfac.distributed import TorchDistributedCommunicator
 from kfac.hyperparams import Hyperparameters
 from kfac.hyperparams import HyperparameterValues
@@ -41,15 +44,10 @@ from kfac.tracing import PhaseTimer
 from kfac.tracing import fault_counts
 from kfac.tracing import memory_totals
 from kfac.validation import check_bool
-from kfac.validation import check_choice
 from kfac.validation import check_instance
 from kfac.validation import check_mapping
-from kfac.validation import validate_int
 
-__all__ = ['SHARD_MODES', 'BaseKFACPreconditioner', 'GradScalerLike']
-
-SHARD_MODES = ('lossless', 'local')
-"""How gradients of FSDP2-sharded parameters are preconditioned."""
+__all__ = ['BaseKFACPreconditioner', 'GradScalerLike']
 
 logger = logging.getLogger(__name__)
 
@@ -61,27 +59,17 @@ class BaseKFACPreconditioner:
         layers: `{module name: layer}`; the hooks are registered on each
             layer's module.
         assignment: where each decomposition and preconditioning happens.
-        hyperparameters: the schedulable hyperparameters.
-        accumulation_steps: micro-batches (forward/backward passes) per
-            [`step`][kfac.base_preconditioner.BaseKFACPreconditioner.step].
-            Divide each micro-batch's mean loss by this number, as for
-            ordinary gradient accumulation.
-        update_factors_in_hook: compute factor statistics inside the hooks
-            (and start their allreduce after the last micro-batch) instead
-            of keeping activations until `step()`.
+        hyperparameters: the schedulable hyperparameters (the learning
+            rate may be an [`OptimizerLR`][kfac.hyperparams.OptimizerLR]).
+        options: how a step runs
+            ([`EngineOptions`][kfac.config.EngineOptions]: accumulation,
+            hooks, bucketing, FSDP2 shard mode, clip rule).
         grad_scaler: the loss scaler of mixed-precision training, whose
             scale is divided out of output gradients.
         communicator: collectives; default a bucketed
             [`TorchDistributedCommunicator`][kfac.distributed.TorchDistributedCommunicator].
-        bucketed: allreduce factors in buckets.
-        loglevel: level of the preconditioner's informational messages.
         aliases: per layer name, further modules sharing its weight whose
             calls count as calls of its module.
-        shard_mode: for parameters sharded by FSDP2 (DTensors):
-            `'lossless'` gathers each layer's whole gradient and equals one
-            process; `'local'` preconditions each rank's rows alone, with
-            the factor on the sharded side made block-diagonal by shard
-            (no gradient communication; an approximation).
 
     """
 
@@ -91,14 +79,10 @@ class BaseKFACPreconditioner:
         *,
         assignment: WorkAssignment,
         hyperparameters: Hyperparameters | None = None,
-        accumulation_steps: int = 1,
-        update_factors_in_hook: bool = True,
+        options: EngineOptions | None = None,
         grad_scaler: GradScalerLike | None = None,
         communicator: TorchDistributedCommunicator | None = None,
-        bucketed: bool = True,
-        loglevel: int = logging.DEBUG,
         aliases: Mapping[str, Sequence[nn.Module]] | None = None,
-        shard_mode: str = 'lossless',
     ) -> None:
         check_mapping('layers', layers, KFACBaseLayer, 'KFACBaseLayer')
         check_instance(
@@ -107,36 +91,37 @@ class BaseKFACPreconditioner:
             WorkAssignment,
             'a kfac.assignment.WorkAssignment',
         )
-        check_instance(
-            'hyperparameters',
-            hyperparameters,
-            (Hyperparameters, type(None)),
-            'None or a kfac.hyperparams.Hyperparameters',
-        )
-        check_instance(
-            'communicator',
-            communicator,
-            (TorchDistributedCommunicator, type(None)),
-            'None or a kfac.distributed.TorchDistributedCommunicator',
-        )
-        check_bool('bucketed', bucketed)
-        self.shard_mode = check_choice('shard_mode', shard_mode, SHARD_MODES)
-        check_bool('update_factors_in_hook', update_factors_in_hook)
+        for name, value, kind, where in (
+            (
+                'hyperparameters',
+                hyperparameters,
+                Hyperparameters,
+                'hyperparams',
+            ),
+            ('options', options, EngineOptions, 'config'),
+            (
+                'communicator',
+                communicator,
+                TorchDistributedCommunicator,
+                'distributed',
+            ),
+        ):
+            check_instance(
+                name,
+                value,
+                (kind, type(None)),
+                f'None or a kfac.{where}.{kind.__name__}',
+            )
         check_grad_scaler(grad_scaler)
         self.hyperparameters = hyperparameters or Hyperparameters()
-        self.accumulation_steps = validate_int(
-            'accumulation_steps', accumulation_steps
-        )
-        self.loglevel = validate_int('loglevel', loglevel, minimum=0)
+        self.options = options or EngineOptions()
         self._layers = dict(layers)
         self.assignment = assignment
-        self.update_factors_in_hook = update_factors_in_hook
         self.communicator = communicator or TorchDistributedCommunicator()
-        self.bucketed = bucketed
         self._steps = 0
         self._values: tuple[int, HyperparameterValues] | None = None
         self._placement = make_placement(
-            self.shard_mode,
+            self.options.shard_mode,
             self._layers,
             assignment,
             self.communicator,
@@ -150,10 +135,11 @@ class BaseKFACPreconditioner:
         self._factors = FactorUpdates(
             self._layers,
             self.communicator,
-            bucketed=bucketed,
+            bucketed=self.options.bucketed,
             phase=self._phase,
             faults=self._faults,
         )
+        self._clips = ClipMonitor(self._faults)
         self.timer: PhaseTimer | None = None
         """Set a [`PhaseTimer`][kfac.tracing.PhaseTimer] to time the
         step's phases."""
@@ -161,8 +147,8 @@ class BaseKFACPreconditioner:
             self._layers,
             active=lambda: self._steps % self.factor_update_steps == 0,
             grad_scaler=grad_scaler,
-            accumulation_steps=self.accumulation_steps,
-            in_hook=update_factors_in_hook,
+            accumulation_steps=self.options.accumulation_steps,
+            in_hook=self.options.update_factors_in_hook,
             on_complete=self._on_captured,
             phase=self._phase,
             log_once=self._log_once,
@@ -174,8 +160,6 @@ class BaseKFACPreconditioner:
             f'{type(self).__name__}(layers={len(self._layers)}, '
             f'steps={self._steps}, {self.hyperparameters})'
         )
-
-    # Read-only views --------------------------------------------------------
 
     @property
     def steps(self) -> int:
@@ -192,8 +176,6 @@ class BaseKFACPreconditioner:
         """The loss scaler whose scale is divided out of output gradients."""
         return self._capture.grad_scaler
 
-    # Plumbing ---------------------------------------------------------------
-
     def _phase(self, name: str) -> contextlib.AbstractContextManager[None]:
         timer = self.timer
         return contextlib.nullcontext() if timer is None else timer.phase(name)
@@ -205,9 +187,7 @@ class BaseKFACPreconditioner:
 
     # Hyperparameters and state ---------------------------------------------
 
-    def hyperparameter_values(
-        self,
-    ) -> HyperparameterValues:
+    def hyperparameter_values(self) -> HyperparameterValues:
         """The hyperparameters' values at the current step (resolved once
         per step; a schedule's value is validated then).
         """
@@ -260,8 +240,15 @@ class BaseKFACPreconditioner:
         succeeded), `decomposition_failures` (all attempts failed),
         `unpreconditioned_steps` (raw gradient used for lack of a
         decomposition) and `nonfinite_gradients` (original gradient kept).
+        Of the last preconditioned step (None before one): `kl_clip_scale`
+        (the clip's `ν`; 1.0 when it did not clip) and `grad_norm_ratio`
+        (`‖ν V'‖ / ‖V‖` over all preconditioned layers), read with the
+        step's one host read.
         """
-        return fault_counts(self.counters, self._layers)
+        return {
+            **fault_counts(self.counters, self._layers),
+            **self._clips.metrics(),
+        }
 
     def memory_usage(self) -> dict[str, int]:
         """Bytes held by K-FAC on this rank, by kind, and `'total'`.
@@ -279,6 +266,7 @@ class BaseKFACPreconditioner:
             self._steps,
             self.hyperparameters.constants(),
             self._layers,
+            options={'kl_clip_rule': self.options.kl_clip_rule},
             include_decompositions=include_decompositions,
         )
 
@@ -311,6 +299,10 @@ class BaseKFACPreconditioner:
         )
         self._values = None
         self._steps = saved.steps
+        self.options = dataclasses.replace(
+            self.options,
+            kl_clip_rule=saved.options.get('kl_clip_rule', 'kl'),
+        )
         self._decomposed = set(restored)
         self._update_decompositions(self.damping, recompute)
 
@@ -336,6 +328,7 @@ class BaseKFACPreconditioner:
             )
             return
         self._capture.follow_modules()
+        self._values = None  # read the optimizer's learning rate now
         values = self.hyperparameter_values()
         if self._steps % values.factor_update_steps == 0:
             self._update_factors()
@@ -346,8 +339,10 @@ class BaseKFACPreconditioner:
             self._active(),
             values,
             self._steps,
+            rule=self.options.kl_clip_rule,
             phase=self._phase,
             log_once=self._log_once,
+            monitor=self._clips,
         )
         self._steps += 1
         self._capture.next_step()

@@ -16,7 +16,7 @@ load_dcp(precon, path)  # every rank
 flattened to one level of keys (DCP saves every tensor and value under
 its key; non-tensor values are pickled):
 
-* `version`, `steps`, `hyperparameters.<name>` and
+* `version`, `steps`, `hyperparameters.<name>`, `options.<name>` and
   `factors.<layer>.<A|G>`: the same on every rank (factors are
   allreduced), so DCP writes each once;
 * `decompositions.<layer>.format` and `decompositions.<layer>.<A|G>.<i>`:
@@ -55,6 +55,7 @@ __all__ = ['dcp_state', 'flatten_state', 'load_dcp', 'unflatten_state']
 _DECOMPOSITIONS = 'decompositions.'
 _FACTORS = 'factors.'
 _HYPERPARAMETERS = 'hyperparameters.'
+_OPTIONS = 'options.'
 
 
 def flatten_state(state: Mapping[str, Any]) -> dict[str, Any]:
@@ -67,6 +68,8 @@ def flatten_state(state: Mapping[str, Any]) -> dict[str, Any]:
     }
     for key, value in state['hyperparameters'].items():
         flat[_HYPERPARAMETERS + key] = value
+    for key, value in state.get('options', {}).items():
+        flat[_OPTIONS + key] = value
     for name, factors in state['layers'].items():
         for key, tensor in factors.items():
             flat[f'{_FACTORS}{name}.{key}'] = tensor
@@ -91,6 +94,8 @@ def unflatten_state(flat: Mapping[str, Any]) -> dict[str, Any]:
             state[key] = value
         elif key.startswith(_HYPERPARAMETERS):
             state['hyperparameters'][key[len(_HYPERPARAMETERS) :]] = value
+        elif key.startswith(_OPTIONS):
+            state.setdefault('options', {})[key[len(_OPTIONS) :]] = value
         elif key.startswith(_FACTORS) and key[-2:] in ('.A', '.G'):
             name = key[len(_FACTORS) : -2]
             state['layers'].setdefault(name, {})[key[-1]] = value

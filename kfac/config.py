@@ -1,4 +1,12 @@
-"""The validated, non-schedulable options of a K-FAC preconditioner."""
+"""The validated, non-schedulable options of a K-FAC preconditioner.
+
+[`KFACConfig`][kfac.config.KFACConfig] holds those of
+[`KFACPreconditioner`][kfac.preconditioner.KFACPreconditioner] (how
+layers are registered and placed); [`EngineOptions`][kfac.config.EngineOptions]
+those of the engine,
+[`BaseKFACPreconditioner`][kfac.base_preconditioner.BaseKFACPreconditioner]
+(how a step runs).
+"""
 
 from __future__ import annotations
 
@@ -19,6 +27,7 @@ from kfac.layers.options import KFAC_APPROXIMATIONS
 from kfac.layers.options import check_module_options
 from kfac.layers.register import compile_patterns
 from kfac.layers.statistics import check_loss_average
+from kfac.math import KL_CLIP_RULES
 from kfac.placement import parse_grad_worker_fraction
 from kfac.validation import check_bool
 from kfac.validation import check_choice
@@ -26,7 +35,16 @@ from kfac.validation import check_dtype
 from kfac.validation import validate_float
 from kfac.validation import validate_int
 
-__all__ = ['FractionLike', 'KFACConfig']
+__all__ = [
+    'SHARD_MODES',
+    'EngineOptions',
+    'FractionLike',
+    'KFACConfig',
+]
+
+SHARD_MODES = ('lossless', 'local')
+"""How gradients of FSDP2-sharded parameters are preconditioned."""
+
 
 FractionLike = float | DistributedStrategy | str
 """A gradient worker fraction in (0, 1], a
@@ -78,6 +96,7 @@ class KFACConfig:
     module_options: Mapping[str, Mapping[str, Any]] | None = None
     max_factor_dim: int | None = DEFAULT_MAX_FACTOR_DIM
     shard_mode: str = 'lossless'
+    kl_clip_rule: str = 'kl'
 
     def __post_init__(self) -> None:
         checked = {
@@ -116,7 +135,10 @@ class KFACConfig:
             if self.max_factor_dim is None
             else validate_int('max_factor_dim', self.max_factor_dim),
             'shard_mode': check_choice(
-                'shard_mode', self.shard_mode, ('lossless', 'local')
+                'shard_mode', self.shard_mode, SHARD_MODES
+            ),
+            'kl_clip_rule': check_choice(
+                'kl_clip_rule', self.kl_clip_rule, KL_CLIP_RULES
             ),
             'module_options': {
                 pattern: dict(options)
@@ -144,3 +166,44 @@ class KFACConfig:
                 'compute_eigenvalue_outer_product=True needs '
                 'colocate_factors=True (both eigendecompositions on one rank)',
             )
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineOptions:
+    """How the engine runs a step, validated.
+
+    Attributes:
+        accumulation_steps: micro-batches (forward/backward passes) per
+            `step()`; divide each micro-batch's mean loss by it, as for
+            ordinary gradient accumulation.
+        update_factors_in_hook: compute factor statistics inside the hooks
+            (and start their allreduce after the last micro-batch) instead
+            of keeping activations until `step()`.
+        bucketed: allreduce factors in buckets.
+        shard_mode: for parameters sharded by FSDP2 (DTensors):
+            `'lossless'` gathers each layer's whole gradient and equals one
+            process; `'local'` preconditions each rank's rows alone, with
+            the factor on the sharded side made block-diagonal by shard (no
+            gradient communication; an approximation).
+        kl_clip_rule: `'kl'` bounds the step's KL divergence (the
+            original rule); `'relative'` bounds the preconditioned
+            gradient's norm relative to the raw one's (see
+            [`kfac.math`][kfac.math]).
+
+    Raises:
+        TypeError: a field has the wrong type.
+        ValueError: a field has a disallowed value.
+    """
+
+    accumulation_steps: int = 1
+    update_factors_in_hook: bool = True
+    bucketed: bool = True
+    shard_mode: str = 'lossless'
+    kl_clip_rule: str = 'kl'
+
+    def __post_init__(self) -> None:
+        validate_int('accumulation_steps', self.accumulation_steps)
+        check_bool('update_factors_in_hook', self.update_factors_in_hook)
+        check_bool('bucketed', self.bucketed)
+        check_choice('shard_mode', self.shard_mode, SHARD_MODES)
+        check_choice('kl_clip_rule', self.kl_clip_rule, KL_CLIP_RULES)

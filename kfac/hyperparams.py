@@ -5,7 +5,9 @@ callable of the preconditioner's step count.
 [`Hyperparameters`][kfac.hyperparams.Hyperparameters] keeps them together,
 validated: constants when constructed, a schedule's value at each step it is
 used; [`HyperparameterValues`][kfac.hyperparams.HyperparameterValues] holds
-the values at one step.
+the values at one step. The learning rate may come from the optimizer:
+[`OptimizerLR`][kfac.hyperparams.OptimizerLR] reads it, per layer, from the
+param group holding each layer's weight, at every step.
 """
 
 from __future__ import annotations
@@ -14,7 +16,10 @@ import dataclasses
 import math
 from collections.abc import Callable
 from collections.abc import Mapping
+from collections.abc import Sequence
 from typing import Any
+
+import torch
 
 from kfac.validation import validate_float
 from kfac.validation import validate_int
@@ -29,8 +34,14 @@ OptionalFloatParam = float | None | Callable[[int], float | None]
 __all__ = [
     'HyperparameterValues',
     'Hyperparameters',
+    'OptimizerLR',
+    'check_optimizers',
     'exp_decay_factor_averaging',
 ]
+
+OptimizerLike = torch.optim.Optimizer | Sequence[torch.optim.Optimizer]
+"""An optimizer, or a sequence of them (say Muon on the matrices and AdamW
+on the rest)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,6 +59,10 @@ class HyperparameterValues:
     factor_decay: float
     kl_clip: float | None
     lr: float
+    lrs: Mapping[str, float] | None = None
+    """Per layer, the learning rate of the param group holding its weight
+    (an [`OptimizerLR`][kfac.hyperparams.OptimizerLR]); None when one `lr`
+    applies to every layer."""
 
 
 def _check(name: str, value: object, *, schedulable: bool) -> object:
@@ -124,7 +139,8 @@ class Hyperparameters:
             if callable(value):
                 value = _check(field.name, value(step), schedulable=False)
             values[field.name] = value
-        return HyperparameterValues(**values)
+        lrs = self.lr.by_layer() if isinstance(self.lr, OptimizerLR) else None
+        return HyperparameterValues(**values, lrs=lrs)
 
     def replace(self, **values: Any) -> Hyperparameters:
         """A copy with `values` replaced (validated).
@@ -164,6 +180,84 @@ class Hyperparameters:
             for f in dataclasses.fields(self)
             if not callable(getattr(self, f.name))
         }
+
+
+def check_optimizers(optimizers: object) -> list[torch.optim.Optimizer]:
+    """`optimizers` (an optimizer or a non-empty sequence of them) as a
+    list.
+
+    Raises:
+        TypeError: anything else.
+    """
+    if isinstance(optimizers, torch.optim.Optimizer):
+        return [optimizers]
+    if (
+        isinstance(optimizers, Sequence)
+        and optimizers
+        and all(isinstance(o, torch.optim.Optimizer) for o in optimizers)
+    ):
+        return list(optimizers)
+    raise TypeError(
+        'optimizer must be a torch.optim.Optimizer or a non-empty sequence '
+        f'of them; got {optimizers!r} of type {type(optimizers).__name__}',
+    )
+
+
+class OptimizerLR:
+    """The learning rate read from the optimizer(s) at every step.
+
+    As a schedule (`step -> lr`) it gives the learning rate of the param
+    group holding the first registered weight; per layer
+    ([`by_layer`][kfac.hyperparams.OptimizerLR.by_layer]) that of the
+    group holding each layer's weight. An LR scheduler stepping the
+    optimizer therefore reaches K-FAC too.
+
+    Args:
+        optimizers: an optimizer or a sequence of them.
+        weights: per registered layer name, its weight.
+
+    Raises:
+        TypeError: `optimizers` is not an optimizer or a sequence of them.
+        ValueError: a weight is in no param group of the optimizers.
+    """
+
+    def __init__(
+        self,
+        optimizers: OptimizerLike,
+        weights: Mapping[str, torch.Tensor],
+    ) -> None:
+        optimizers = check_optimizers(optimizers)
+        where: dict[int, dict[str, Any]] = {}
+        for optimizer in optimizers:
+            for group in optimizer.param_groups:
+                for param in group['params']:
+                    where.setdefault(id(param), group)
+        missing = [n for n, w in weights.items() if id(w) not in where]
+        if missing:
+            raise ValueError(
+                f'optimizer: the weights of {", ".join(missing)} are in no '
+                'param group of the optimizer(s) given; pass every optimizer '
+                'that trains a preconditioned layer',
+            )
+        self.optimizers = optimizers
+        self._groups = {name: where[id(w)] for name, w in weights.items()}
+
+    def __repr__(self) -> str:
+        names = ', '.join(type(o).__name__ for o in self.optimizers)
+        return f'OptimizerLR({names})'
+
+    def __call__(self, step: int) -> float:
+        """The learning rate of the first registered weight's group (of
+        the first group when no layer is registered).
+        """
+        groups = list(self._groups.values()) or [
+            self.optimizers[0].param_groups[0]
+        ]
+        return float(groups[0]['lr'])
+
+    def by_layer(self) -> dict[str, float]:
+        """Per layer, the current learning rate of its weight's group."""
+        return {name: float(g['lr']) for name, g in self._groups.items()}
 
 
 def exp_decay_factor_averaging(

@@ -115,15 +115,33 @@ dense, so with `max_factor_dim` it is split into diagonal blocks like
 any factor; the rule is then applied to each block (tile) with that
 block's traces.
 
-KL clipping scales every preconditioned gradient by
-`ν = min(1, sqrt(κ / |lr² Σ_layers Σ V' ⊙ V|))`.
+## Clipping the step
+
+A clip scales every preconditioned gradient `V'` by one factor `ν ≤ 1`
+(`kl_clip_rule`):
+
+* `'kl'` (the original KAISA rule): `ν = min(1, sqrt(κ / |Σ_l lr_l² V'_l ⊙
+  V_l|))`, bounding the step's KL divergence `½ Σ_l lr_l² V'_lᵀ F V'_l ≈
+  ½ Σ_l lr_l² V'_l ⊙ V_l` by `κ / 2` (`lr_l`: the learning rate of layer
+  `l`'s param group, or the one `lr`). Once it is active the step
+  `lr ν V'` no longer depends on `lr`.
+* `'relative'`: `ν = min(1, κ sqrt(Σ_l ‖V_l‖² / Σ_l ‖V'_l‖²))`, the
+  preconditioned gradient at most `κ` times as long as the raw one (norms
+  over all preconditioned layers). `ν` does not involve `lr`, so the step
+  `lr ν V'` is proportional to the learning rate whether the clip is
+  active or not, and an optimizer tuned for raw gradients never takes a
+  step more than `κ` times longer than it would have.
 """
 
 from __future__ import annotations
 
 import torch
 
+KL_CLIP_RULES = ('kl', 'relative')
+"""The rules of the clip (`kl_clip_rule`), described above."""
+
 __all__ = [
+    'KL_CLIP_RULES',
     'append_bias_ones',
     'compute_dtype',
     'damped_inverse',
@@ -135,6 +153,7 @@ __all__ = [
     'kl_clip_scale',
     'kronecker_sum_factors',
     'pi_correction',
+    'relative_clip_scale',
     'running_average',
     'symmetric_eigh',
 ]
@@ -431,4 +450,32 @@ def kl_clip_scale(
     """
     denom = (vg_sum * (lr * lr)).abs()
     scale: torch.Tensor = torch.sqrt(kl_clip / denom).clamp(max=1.0)
+    return scale
+
+
+def relative_clip_scale(
+    raw_sq: torch.Tensor, preconditioned_sq: torch.Tensor, bound: float
+) -> torch.Tensor:
+    """Return `ν = min(1, κ sqrt(raw_sq / preconditioned_sq))` (0-d).
+
+    A zero `preconditioned_sq` gives `ν = 1`. Computed without a host
+    synchronisation.
+
+    Args:
+        raw_sq: `Σ ‖V‖²` over the preconditioned layers (0-d tensor).
+        preconditioned_sq: `Σ ‖V'‖²` over the same layers (0-d tensor).
+        bound: `κ`, the largest ratio of the preconditioned to the raw
+            gradient norm.
+
+    Examples:
+        >>> relative_clip_scale(torch.tensor(1.0), torch.tensor(16.0), 2.0)
+        tensor(0.5000)
+        >>> relative_clip_scale(torch.tensor(1.0), torch.tensor(0.0), 2.0)
+        tensor(1.)
+
+    """
+    ratio = torch.sqrt(raw_sq / preconditioned_sq) * bound
+    scale: torch.Tensor = torch.where(
+        preconditioned_sq > 0, ratio, torch.ones_like(ratio)
+    ).clamp(max=1.0)
     return scale

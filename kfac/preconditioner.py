@@ -19,6 +19,7 @@ from kfac.assignment import KAISAAssignment
 from kfac.assignment import decomposition_work
 from kfac.base_preconditioner import BaseKFACPreconditioner
 from kfac.base_preconditioner import GradScalerLike
+from kfac.config import EngineOptions
 from kfac.config import FractionLike
 from kfac.config import KFACConfig
 from kfac.distributed import TorchDistributedCommunicator
@@ -28,6 +29,9 @@ from kfac.enums import AssignmentStrategy
 from kfac.enums import ComputeMethod
 from kfac.enums import DistributedStrategy
 from kfac.hyperparams import Hyperparameters
+from kfac.hyperparams import OptimizerLike
+from kfac.hyperparams import OptimizerLR
+from kfac.hyperparams import check_optimizers
 from kfac.layers.attention import convert_attention
 from kfac.layers.base import KFACBaseLayer
 from kfac.layers.eigen import KFACEigenLayer
@@ -92,8 +96,12 @@ class KFACPreconditioner(BaseKFACPreconditioner):
         damping: `λ` (EIGEN: added to the Kronecker product exactly;
             INVERSE: split between the factors with the π correction).
         factor_decay: `ξ` in (0, 1] of the factors' running average.
-        kl_clip: `κ` of KL clipping, or None to disable it.
-        lr: the optimizer's learning rate, used by KL clipping.
+        kl_clip: `κ` of the clip (its meaning per `kl_clip_rule`), or
+            None to disable it.
+        lr: the optimizer's learning rate, used by the `'kl'` clip rule
+            only; None (the default) means 0.1, or the optimizer's with
+            `optimizer`. Pass `optimizer` instead, so that the value
+            follows the optimizer's schedule.
         accumulation_steps: micro-batches per step (divide each micro-batch
             loss by it).
         allreduce_bucket_cap_mb: bucket size of the factor allreduce in MiB;
@@ -143,6 +151,17 @@ class KFACPreconditioner(BaseKFACPreconditioner):
             sharded side made block-diagonal by shard; no gradient
             communication; needs `grad_worker_fraction='comm_opt'`; an
             approximation). See the distributed guide.
+        optimizer: the optimizer (or a sequence of them, such as Muon on
+            the matrices and AdamW on the rest) that trains the model; the
+            learning rate is then read at every step from the param group
+            holding each registered weight (see
+            [`OptimizerLR`][kfac.hyperparams.OptimizerLR]). Not with `lr`.
+        kl_clip_rule: `'kl'` (the original rule: the step's KL divergence
+            is at most `κ/2`; once active, the step no longer depends on
+            the learning rate) or `'relative'` (the preconditioned
+            gradient is at most `κ` times as long as the raw one, so the
+            step always scales with the learning rate); the formulas are in
+            [`kfac.math`][kfac.math].
 
     Every hyperparameter (`factor_update_steps` to `lr`) may also be a
     callable `step -> value`.
@@ -158,7 +177,7 @@ class KFACPreconditioner(BaseKFACPreconditioner):
         damping: float | Callable[[int], float] = 0.001,
         factor_decay: float | Callable[[int], float] = 0.95,
         kl_clip: float | Callable[[int], float | None] | None = 0.001,
-        lr: float | Callable[[int], float] = 0.1,
+        lr: float | Callable[[int], float] | None = None,
         accumulation_steps: int = 1,
         allreduce_bucket_cap_mb: float = 25.0,
         assignment_strategy: AssignmentStrategy | str = 'compute',
@@ -179,6 +198,8 @@ class KFACPreconditioner(BaseKFACPreconditioner):
         module_options: Mapping[str, Mapping[str, Any]] | None = None,
         max_factor_dim: int | None = DEFAULT_MAX_FACTOR_DIM,
         shard_mode: str = 'lossless',
+        optimizer: OptimizerLike | None = None,
+        kl_clip_rule: str = 'kl',
     ) -> None:
         check_instance('model', model, nn.Module, 'a torch.nn.Module')
         hyperparameters = Hyperparameters(
@@ -187,8 +208,14 @@ class KFACPreconditioner(BaseKFACPreconditioner):
             damping=damping,
             factor_decay=factor_decay,
             kl_clip=kl_clip,
-            lr=lr,
+            lr=0.1 if lr is None else lr,
         )
+        optimizers = None if optimizer is None else check_optimizers(optimizer)
+        if optimizers is not None and lr is not None:
+            raise ValueError(
+                'pass optimizer or lr, not both: with optimizer the learning '
+                'rate is read from its param groups',
+            )
         config = KFACConfig(
             accumulation_steps=accumulation_steps,
             allreduce_bucket_cap_mb=allreduce_bucket_cap_mb,
@@ -209,6 +236,7 @@ class KFACPreconditioner(BaseKFACPreconditioner):
             module_options=module_options,
             max_factor_dim=max_factor_dim,
             shard_mode=shard_mode,
+            kl_clip_rule=kl_clip_rule,
         )
         check_model(_unwrap(model))
         self.config = config
@@ -231,20 +259,29 @@ class KFACPreconditioner(BaseKFACPreconditioner):
             grad_worker_fraction=config.grad_worker_fraction,
             colocate_factors=config.colocate_factors,
         )
+        if optimizers is not None:
+            hyperparameters = hyperparameters.replace(
+                lr=OptimizerLR(
+                    optimizers,
+                    {n: layer.module.weight for n, layer in layers.items()},
+                )
+            )
         super().__init__(
             layers,
             assignment=assignment,
             hyperparameters=hyperparameters,
-            accumulation_steps=config.accumulation_steps,
-            update_factors_in_hook=config.update_factors_in_hook,
+            options=EngineOptions(
+                accumulation_steps=config.accumulation_steps,
+                update_factors_in_hook=config.update_factors_in_hook,
+                bucketed=config.allreduce_bucket_cap_mb > 0,
+                shard_mode=config.shard_mode,
+                kl_clip_rule=config.kl_clip_rule,
+            ),
             grad_scaler=grad_scaler,
             communicator=TorchDistributedCommunicator(
                 bucket_cap_mb=config.allreduce_bucket_cap_mb,
                 symmetry_aware=config.symmetry_aware,
             ),
-            bucketed=config.allreduce_bucket_cap_mb > 0,
-            loglevel=config.loglevel,
-            shard_mode=config.shard_mode,
             aliases={
                 name: [modules[alias] for alias in names]
                 for name, names in self.registration.aliases.items()

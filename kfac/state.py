@@ -9,9 +9,10 @@ dicts, so `torch.load(path, weights_only=True)` reads it:
 
 ```python
 {
-    'version': 2,
+    'version': 3,
     'steps': int,
     'hyperparameters': {name: value},   # the non-callable ones
+    'options': {'kl_clip_rule': 'kl' or 'relative'},
     'layers': {module name: {'A': tensor, 'G': tensor}},  # (n, n) or (n,)
     # a tied layer: {'<use>:A': ..., '<use>:G': ...} per use instead
     'decompositions': {                 # optional
@@ -41,14 +42,18 @@ from typing import TypedDict
 
 import torch
 
-STATE_VERSION = 2
+from kfac.math import KL_CLIP_RULES
+
+STATE_VERSION = 3
 """The format version written by this version of kfac."""
 
-READABLE_VERSIONS = (1, 2)
+READABLE_VERSIONS = (1, 2, 3)
 """The format versions this version of kfac loads. Version 2 adds the
 per-use factors of a weight tied in transposed roles (`'<module>:A'`,
-`'<module>:G'`, see [`kfac.layers.tied`][kfac.layers.tied]); a version 1
-state is a version 2 state without them, loaded as it is."""
+`'<module>:G'`, see [`kfac.layers.tied`][kfac.layers.tied]); version 3
+the engine's `'options'` (the clip rule). An older state is a newer one
+without what was added, loaded as it is: a state without `'options'`
+loads with `kl_clip_rule='kl'`, the only rule before version 3."""
 
 FACTOR_KEYS = ('A', 'G')
 """The factor entries of a layer."""
@@ -72,7 +77,11 @@ class _RequiredEntries(TypedDict):
 
 
 class StateDict(_RequiredEntries, total=False):
-    """The mapping of the module docstring (`decompositions` optional)."""
+    """The mapping of the module docstring (`decompositions` optional;
+    `options` always written from version 3 on).
+    """
+
+    options: dict[str, str]
 
     decompositions: dict[str, DecompositionEntry]
 
@@ -107,6 +116,9 @@ class SavedState:
     """The hyperparameters that are constants, by name."""
     layers: Mapping[str, SavedLayer]
     """Per layer, by module name."""
+    options: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    """The engine's saved options (`kl_clip_rule`); empty before version
+    3."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -146,6 +158,7 @@ def serialize_state(
         'version': STATE_VERSION,
         'steps': state.steps,
         'hyperparameters': dict(state.hyperparameters),
+        'options': dict(state.options),
         'layers': layers,
     }
     if include_decompositions:
@@ -286,7 +299,26 @@ def parse_state(
         steps=int(checked['steps']),  # type: ignore[call-overload]  # an int: _check_header checked it
         hyperparameters=dict(hyperparameters),
         layers=layers,
+        options=_options(checked.get('options', {})),
     )
+
+
+def _options(options: object) -> dict[str, str]:
+    """The saved engine options, checked."""
+    if not isinstance(options, Mapping) or not all(
+        isinstance(k, str) and isinstance(v, str) for k, v in options.items()
+    ):
+        raise TypeError(
+            "state_dict entry 'options' must map names to strings; got "
+            f'{options!r}',
+        )
+    rule = options.get('kl_clip_rule', 'kl')
+    if rule not in KL_CLIP_RULES:
+        raise ValueError(
+            "state_dict entry 'options' has kl_clip_rule "
+            f'{rule!r}; allowed: {", ".join(KL_CLIP_RULES)}',
+        )
+    return dict(options)
 
 
 class StatefulLayer(Protocol):
@@ -314,17 +346,18 @@ def save_layers(
     hyperparameters: Mapping[str, float | int | None],
     layers: Mapping[str, StatefulLayer],
     *,
+    options: Mapping[str, str],
     include_decompositions: bool,
 ) -> StateDict:
     """The state of a preconditioner at `steps` with these constant
-    hyperparameters and layers, each saving its own.
+    hyperparameters, engine options and layers, each saving its own.
     """
     saved = {
         name: layer.saved_state(include_decompositions)
         for name, layer in layers.items()
     }
     return serialize_state(
-        SavedState(steps, dict(hyperparameters), saved),
+        SavedState(steps, dict(hyperparameters), saved, dict(options)),
         include_decompositions=include_decompositions,
     )
 

@@ -192,10 +192,10 @@ def check_choice(name: str, value: object, allowed: Sequence[str]) -> str:
         ValueError: `value` is not in `allowed`.
 
     Examples:
-        >>> check_choice('loss_reduction', 'avg', ('mean', 'sum'))
+        >>> check_choice('kl_clip_rule', 'kll', ('kl', 'relative'))
         Traceback (most recent call last):
         ...
-        ValueError: loss_reduction must be one of ('mean', 'sum'); got 'avg'
+        ValueError: kl_clip_rule must be one of ('kl', 'relative'); got 'kll'
 
     """
     choices = tuple(allowed)

@@ -62,7 +62,7 @@ def test_saved_decomposition_without_factors_is_not_used() -> None:
     assert not torch.equal(grads['fc2.weight'].grad, raw['fc2.weight'])  # type: ignore[arg-type]
 
 
-def test_grad_inner_product_needs_a_preconditioned_gradient() -> None:
+def test_grad_statistics_need_a_preconditioned_gradient() -> None:
     precon = KFACPreconditioner(TinyMLP().double())
     with pytest.raises(RuntimeError, match='no preconditioned gradient'):
-        precon.layers['fc1'].grad_inner_product()
+        precon.layers['fc1'].grad_statistics()

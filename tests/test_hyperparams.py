@@ -72,6 +72,7 @@ def test_at_returns_hyperparameter_values() -> None:
         'factor_decay': 0.95,
         'kl_clip': 0.001,
         'lr': values.lr,
+        'lrs': None,  # one lr for every layer: no OptimizerLR
     }
 
 

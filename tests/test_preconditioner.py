@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kfac.base_preconditioner import BaseKFACPreconditioner
+from kfac.config import EngineOptions
 from kfac.preconditioner import KFACPreconditioner
 from testing.asserts import assert_rel_close
 from testing.asserts import relative_error
@@ -488,7 +489,7 @@ def test_base_preconditioner_validates_its_arguments() -> None:
         BaseKFACPreconditioner(
             dict(precon.layers),
             assignment=precon.assignment,
-            update_factors_in_hook='yes',  # type: ignore[arg-type]
+            options=EngineOptions(update_factors_in_hook='yes'),  # type: ignore[arg-type]  # wrong on purpose
         )
 
 

@@ -345,3 +345,40 @@ def test_parse_drops_decompositions_that_do_not_fit(
     )
     assert saved.layers['fc'].decomposition is None
     assert torch.equal(saved.layers['fc'].factors['A'], torch.eye(2))
+
+
+def test_the_clip_rule_is_saved_and_restored() -> None:
+    _, relative = trained(kl_clip_rule='relative', kl_clip=1.0)
+    state = roundtrip(relative.state_dict())
+    assert state['version'] == STATE_VERSION == 3
+    assert state['options'] == {'kl_clip_rule': 'relative'}
+    _, other = trained()
+    assert other.options.kl_clip_rule == 'kl'
+    other.load_state_dict(state)
+    assert other.options.kl_clip_rule == 'relative'
+
+
+def test_a_version_2_state_loads_with_the_kl_rule() -> None:
+    _, precon = trained()
+    state = dict(precon.state_dict())
+    del state['options']
+    state['version'] = 2
+    _, relative = trained(kl_clip_rule='relative')
+    relative.load_state_dict(state)
+    assert relative.options.kl_clip_rule == 'kl'
+
+
+@pytest.mark.parametrize(
+    ('options', 'error', 'match'),
+    [
+        ([], TypeError, "entry 'options' must map names to strings"),
+        ({'kl_clip_rule': 3}, TypeError, 'must map names to strings'),
+        ({'kl_clip_rule': 'tr'}, ValueError, "kl_clip_rule 'tr'; allowed"),
+    ],
+)
+def test_bad_saved_options(options: Any, error: type, match: str) -> None:
+    _, precon = trained()
+    state = dict(precon.state_dict())
+    state['options'] = options
+    with pytest.raises(error, match=match):
+        precon.load_state_dict(state)

@@ -22,6 +22,7 @@ from torch import nn
 from kfac import validation
 from kfac.assignment import KAISAAssignment
 from kfac.base_preconditioner import BaseKFACPreconditioner
+from kfac.config import EngineOptions
 from kfac.distributed import TorchDistributedCommunicator
 from kfac.enums import AssignmentStrategy
 from kfac.enums import ComputeMethod
@@ -361,20 +362,36 @@ BOUNDARIES: list[tuple[str, Callable[[], object], type[Exception], str]] = [
         'communicator must be None or',
     ),
     (
-        'BaseKFACPreconditioner bucketed',
+        'BaseKFACPreconditioner options',
         lambda: BaseKFACPreconditioner(
-            _layers(), assignment=_assignment(), bucketed=_any(1)
+            _layers(), assignment=_assignment(), options=_any({})
         ),
+        TypeError,
+        'options must be None or a kfac.config.EngineOptions',
+    ),
+    (
+        'EngineOptions bucketed',
+        lambda: EngineOptions(bucketed=_any(1)),
         TypeError,
         'bucketed must be a bool',
     ),
     (
-        'BaseKFACPreconditioner loglevel',
-        lambda: BaseKFACPreconditioner(
-            _layers(), assignment=_assignment(), loglevel=-5
-        ),
+        'EngineOptions kl_clip_rule',
+        lambda: EngineOptions(kl_clip_rule='kll'),
         ValueError,
-        'loglevel must be >= 0',
+        "kl_clip_rule must be one of ('kl', 'relative'); got 'kll'",
+    ),
+    (
+        'EngineOptions shard_mode',
+        lambda: EngineOptions(shard_mode=_any(1)),
+        TypeError,
+        'shard_mode must be',
+    ),
+    (
+        'EngineOptions accumulation_steps',
+        lambda: EngineOptions(accumulation_steps=0),
+        ValueError,
+        'accumulation_steps must be >= 1',
     ),
     (
         'state_dict include_decompositions',

@@ -112,15 +112,15 @@ class GradientPlacement(abc.ABC):
         """
 
     @abc.abstractmethod
-    def products(self) -> tuple[list[str], torch.Tensor | None]:
+    def statistics(self) -> tuple[list[str], torch.Tensor | None]:
         """The layers with a preconditioned gradient and their
-        `Σ V' ⊙ V` (stacked, summed over what each rank holds; None for
-        no layer).
+        `grad_statistics()` (stacked `(layers, 3)`, summed over what each
+        rank holds; None for no layer).
         """
 
     @abc.abstractmethod
     def write_back(self) -> Parts:
-        """Yield the layers of `products` in groups, each with the
+        """Yield the layers of `statistics` in groups, each with the
         gradients the caller writes their results to; the placement
         finishes writing a group when the next is asked for.
         """
@@ -135,14 +135,14 @@ class Replicated(GradientPlacement):
         yield active, None
         self._broadcast(active)
 
-    def products(self) -> tuple[list[str], torch.Tensor | None]:
+    def statistics(self) -> tuple[list[str], torch.Tensor | None]:
         names = [
             n for n, layer in self.layers.items() if layer.grad is not None
         ]
         if not names:
             return [], None
         return names, torch.stack(
-            [self.layers[n].grad_inner_product() for n in names]
+            [self.layers[n].grad_statistics() for n in names]
         )
 
     def write_back(self) -> Parts:
@@ -193,7 +193,7 @@ class _Sharded(GradientPlacement):
         }
         self._parts: list[list[str]] = []
         self._kept: dict[str, torch.Tensor] = {}
-        self._products: dict[str, torch.Tensor] = {}
+        self._statistics: dict[str, torch.Tensor] = {}
         self._scattered: set[str] = set()
 
     def _params(self, names: list[str]) -> list[torch.Tensor]:
@@ -206,7 +206,7 @@ class _Sharded(GradientPlacement):
     def precondition(self, active: list[str]) -> Parts:
         self._parts = components(active, self.layers)
         self._kept.clear()
-        self._products.clear()
+        self._statistics.clear()
         self._scattered.clear()
         sends = self.assignment.broadcast_gradients()
         for part in self._parts:
@@ -221,7 +221,7 @@ class _Sharded(GradientPlacement):
                 held.clear()
 
     def _keep(self, name: str, held: Grads, scatter: bool) -> None:
-        """Keep this rank's entries of `name`'s `V'` and its product."""
+        """Keep this rank's entries of `name`'s `V'` and its statistics."""
         layer = self.layers[name]
         owned = self._owned.get(name)
         if scatter:
@@ -234,10 +234,10 @@ class _Sharded(GradientPlacement):
         else:
             grad = layer.grad
             assert grad is not None  # every rank has V' now
-            product = layer.grad_inner_product(held)
+            product = layer.grad_statistics(held)
             kept = grad if owned is None else owned.take(grad)
         self._kept[name] = kept
-        self._products[name] = product
+        self._statistics[name] = product
         layer.clear_grad()
 
     def write_back(self) -> Parts:
@@ -277,18 +277,18 @@ class Lossless(_Sharded):
         with self.phase('grad_gather'):
             return gather_grads(self.communicator, self._params(names))
 
-    def products(self) -> tuple[list[str], torch.Tensor | None]:
-        names = list(self._products)
+    def statistics(self) -> tuple[list[str], torch.Tensor | None]:
+        names = list(self._statistics)
         if not names:
             return [], None
-        stacked = torch.stack([self._products[n] for n in names])
+        stacked = torch.stack([self._statistics[n] for n in names])
         if not self._scattered:
             return names, stacked
         # KAISA gives a rank one receiver group for all layers, holding
         # one gradient worker (sender) of each.
         group = self.assignment.grad_receiver_group(next(iter(self._owned)))
         mask = torch.tensor(
-            [n in self._scattered for n in names], device=stacked.device
+            [[n in self._scattered] for n in names], device=stacked.device
         )
         summed = sum_over(
             self.communicator,
@@ -301,7 +301,7 @@ class Lossless(_Sharded):
 class Local(_Sharded):
     """`shard_mode='local'`: each rank preconditions its own rows with
     the factor on the sharded side block-diagonal by shard (no gradient
-    communication); the products are summed over the shard group.
+    communication); the statistics are summed over the shard group.
     """
 
     def __init__(
@@ -318,11 +318,11 @@ class Local(_Sharded):
     def _hold(self, names: list[str]) -> ShardGrads:
         return local_grads(self._params(names))
 
-    def products(self) -> tuple[list[str], torch.Tensor | None]:
-        names = list(self._products)
+    def statistics(self) -> tuple[list[str], torch.Tensor | None]:
+        names = list(self._statistics)
         if not names:
             return [], None
-        stacked = torch.stack([self._products[n] for n in names])
+        stacked = torch.stack([self._statistics[n] for n in names])
         with self.phase('kl_clip_allreduce'):
             return names, sum_over(self.communicator, stacked, self.group)
 

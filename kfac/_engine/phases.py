@@ -17,6 +17,7 @@ from collections import Counter
 from collections.abc import Callable
 from collections.abc import Iterable
 from collections.abc import Mapping
+from typing import NamedTuple
 
 import torch
 
@@ -32,9 +33,17 @@ from kfac.layers.base import KFACBaseLayer
 from kfac.layers.decomposition import decompose_all
 from kfac.layers.helper import Grads
 from kfac.math import kl_clip_scale
+from kfac.math import relative_clip_scale
 from kfac.tracing import Phase
 
-__all__ = ['FactorUpdates', 'Faults', 'decompose', 'precondition']
+__all__ = [
+    'Clip',
+    'ClipMonitor',
+    'FactorUpdates',
+    'Faults',
+    'decompose',
+    'precondition',
+]
 
 
 class Faults:
@@ -200,18 +209,95 @@ def decompose(
     return ready
 
 
+class Clip(NamedTuple):
+    """What the clip of one step did."""
+
+    scale: float
+    """`ν`, the factor every preconditioned gradient was multiplied by
+    (1.0 without a clip)."""
+    ratio: float
+    """`‖ν V'‖ / ‖V‖` over all preconditioned layers."""
+
+
+class ClipMonitor:
+    """The last step's [`Clip`][kfac._engine.phases.Clip], and a warning
+    when K-FAC holds training back, each logged once: under the `'kl'`
+    rule `ν` below 0.1 on each of 100 consecutive steps (the learning rate
+    then hardly changes the step); under either rule the norm ratio below
+    0.01 on each of 100 consecutive steps.
+
+    Under `'relative'` a small `ν` only means that the step is held at `κ`
+    times the raw gradient's length, which the learning rate still scales.
+
+    Args:
+        faults: where warnings go.
+    """
+
+    WINDOW = 100
+    LOW_SCALE = 0.1
+    LOW_RATIO = 0.01
+
+    def __init__(self, faults: Faults) -> None:
+        self.faults = faults
+        self.last: Clip | None = None
+        self._low_scale = self._low_ratio = 0
+
+    def metrics(self) -> dict[str, float | None]:
+        """`kl_clip_scale` and `grad_norm_ratio` of the last step."""
+        last = self.last
+        return {
+            'kl_clip_scale': None if last is None else last.scale,
+            'grad_norm_ratio': None if last is None else last.ratio,
+        }
+
+    def record(self, clip: Clip, rule: str) -> None:
+        """Keep `clip`; warn once when a run of low values is long."""
+        self.last = clip
+        low_scale = rule == 'kl' and clip.scale < self.LOW_SCALE
+        low_ratio = clip.ratio < self.LOW_RATIO
+        self._low_scale = self._low_scale + 1 if low_scale else 0
+        self._low_ratio = self._low_ratio + 1 if low_ratio else 0
+        if self._low_scale >= self.WINDOW:
+            self.faults.once(
+                'clip-scale',
+                '',
+                'K-FAC: the clip scaled the preconditioned gradients by '
+                'less than %g on each of the last %d steps (kl_clip_scale '
+                '%.3g), so the learning rate hardly changes the step; raise '
+                "kl_clip, or use kl_clip_rule='relative'",
+                self.LOW_SCALE,
+                self.WINDOW,
+                clip.scale,
+            )
+        if self._low_ratio >= self.WINDOW:
+            self.faults.once(
+                'norm-ratio',
+                '',
+                'K-FAC: the gradients handed to the optimizer were less '
+                'than %g times as long as the raw gradients on each of the '
+                'last %d steps (grad_norm_ratio %.3g); lower damping, or '
+                'raise kl_clip if kl_clip_scale is small too',
+                self.LOW_RATIO,
+                self.WINDOW,
+                clip.ratio,
+            )
+
+
 def precondition(
     place: GradientPlacement,
     active: list[str],
     values: HyperparameterValues,
     step: int,
     *,
+    rule: str,
     phase: Phase,
     log_once: Callable[..., None],
+    monitor: ClipMonitor,
 ) -> None:
     """The preconditioning phase of a step: precondition the `active`
-    layers on their gradient workers, KL-clip, write `.grad`, holding and
-    moving gradients as `place` says.
+    layers on their gradient workers, clip (`rule`), write `.grad`,
+    holding and moving gradients as `place` says; `monitor` records the
+    clip.
 
     A layer whose preconditioned gradient is not finite keeps its
     original gradient (counted, logged once); one host read. Every rank
@@ -224,8 +310,10 @@ def precondition(
                 if place.assignment.is_grad_worker(name):
                     _precondition(name, layers[name], values, grads, log_once)
     with phase('kl_clip'):
-        names, vg = place.products()
-        flags, scale = _clip(vg, values)
+        names, stats = place.statistics()
+        flags, scale, clip = _clip(names, stats, values, rule)
+    if clip is not None:
+        monitor.record(clip, rule)
     ok = dict(zip(names, flags))
     for part, grads in place.write_back():
         with phase('write_back'):
@@ -265,16 +353,34 @@ def _precondition(
 
 
 def _clip(
-    vg: torch.Tensor | None, values: HyperparameterValues
-) -> tuple[list[bool], torch.Tensor | None]:
-    """Per layer, whether its `Σ V' ⊙ V` is finite; the KL clip's scale
-    (None without a clip). One host synchronisation.
+    names: list[str],
+    stats: torch.Tensor | None,
+    values: HyperparameterValues,
+    rule: str,
+) -> tuple[list[bool], torch.Tensor | None, Clip | None]:
+    """Per layer, whether its statistics are finite; the clip's scale
+    `ν` (None without a clip; see [`kfac.math`][kfac.math] for the
+    rules); the step's [`Clip`][kfac._engine.phases.Clip]. One host read.
     """
-    if vg is None:
-        return [], None
-    finite = torch.isfinite(vg)
+    if stats is None:
+        return [], None, None
+    finite = torch.isfinite(stats).all(dim=1)
+    kept = torch.where(finite[:, None], stats, torch.zeros_like(stats))
+    vg, pre_sq, raw_sq = (column.contiguous() for column in kept.unbind(1))
     scale = None
     if values.kl_clip is not None:
-        total = torch.where(finite, vg, torch.zeros_like(vg)).sum()
-        scale = kl_clip_scale(total, values.lr, values.kl_clip)
-    return finite.tolist(), scale
+        if rule == 'relative':
+            scale = relative_clip_scale(
+                raw_sq.sum(), pre_sq.sum(), values.kl_clip
+            )
+        elif values.lrs is None:
+            scale = kl_clip_scale(vg.sum(), values.lr, values.kl_clip)
+        else:
+            lrs = torch.tensor(
+                [values.lrs[n] for n in names], dtype=vg.dtype
+            ).to(vg.device)
+            scale = kl_clip_scale((vg * lrs * lrs).sum(), 1.0, values.kl_clip)
+    nu = torch.ones_like(vg[0]) if scale is None else scale
+    ratio = nu * torch.sqrt(pre_sq.sum() / raw_sq.sum())
+    read = torch.cat([finite.to(vg.dtype), nu[None], ratio[None]]).tolist()
+    return [bool(f) for f in read[:-2]], scale, Clip(read[-2], read[-1])

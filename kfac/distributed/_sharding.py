@@ -354,8 +354,8 @@ def scatter_owned(
     Every rank of `name`'s gradient-receiver group calls it.
 
     Returns:
-        This rank's entries, and `Σ V' ⊙ V` on the sender (0 on the
-        others: sum it over the receivers).
+        This rank's entries, and the layer's `grad_statistics()` on the
+        sender (zeros on the others: sum them over the receivers).
     """
     group = plan.grad_receiver_group(name)
     src = plan.src_grad_worker(name)
@@ -369,11 +369,11 @@ def scatter_owned(
     longest = max(sizes[owned.shard_of[r]] for r in ranks)
     out = torch.empty(longest, dtype=layer.inv_dtype, device=layer.device)
     chunks = None
-    product = torch.zeros((), dtype=layer.inv_dtype, device=layer.device)
+    product = torch.zeros(3, dtype=layer.inv_dtype, device=layer.device)
     if get_rank() == src:
         grad = layer.grad
         assert grad is not None  # the source preconditioned it
-        product = layer.grad_inner_product()
+        product = layer.grad_statistics()
         chunks = []
         for rank in ranks:
             part = owned.take(grad, owned.shard_of[rank]).reshape(-1)

@@ -187,10 +187,11 @@ class KFACBaseLayer(DecompositionAttempts):
         """Store a preconditioned gradient received from a gradient worker."""
         self.grad = grad
 
-    def grad_inner_product(self, grads: Grads | None = None) -> torch.Tensor:
-        """`Σ V' ⊙ V` (0-d) of a layer whose preconditioned gradient is set.
+    def grad_statistics(self, grads: Grads | None = None) -> torch.Tensor:
+        """`[Σ V' ⊙ V, ‖V'‖², ‖V‖²]` (shape `(3,)`) of a layer whose
+        preconditioned gradient is set: what the clip of the step needs.
 
-        A rank that received `V'` reads its own `V` from the module.
+        A rank that received `V'` reads its own `V` through `grads`.
         """
         grad = self.grad
         if grad is None:
@@ -199,7 +200,11 @@ class KFACBaseLayer(DecompositionAttempts):
         if raw is None:
             raw = self.module.get_grad(grads)
             assert raw is not None  # V' exists only for modules with V
-        return torch.vdot(grad.reshape(-1), raw.to(grad.dtype).reshape(-1))
+        pre = grad.reshape(-1)
+        raw = raw.to(grad.dtype).reshape(-1)
+        return torch.stack(
+            [torch.vdot(pre, raw), torch.vdot(pre, pre), torch.vdot(raw, raw)]
+        )
 
     def write_grad(
         self, scale: torch.Tensor | None, grads: Grads | None = None

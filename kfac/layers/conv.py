@@ -18,13 +18,16 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kfac.layers.helper import PATCH_BLOCK_ELEMENTS
 from kfac.layers.helper import Grads
 from kfac.layers.helper import ModuleHelper
 from kfac.layers.helper import read_grad
 from kfac.layers.helper import write_rows
 
 _CONVOLUTIONS = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
+
+PATCH_BLOCK_ELEMENTS = 2**21
+"""Elements of unfolded convolution patches computed at once (8 MiB of
+float32)."""
 
 
 class ConvModuleHelper(ModuleHelper):

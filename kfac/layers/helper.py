@@ -59,11 +59,6 @@ def read_grad(param: torch.Tensor, grads: Grads | None) -> torch.Tensor | None:
     return param.grad if grads is None else grads.get(param)
 
 
-PATCH_BLOCK_ELEMENTS = 2**21
-"""Elements of unfolded convolution patches computed at once (8 MiB of
-float32)."""
-
-
 class ModuleHelper(abc.ABC):
     """K-FAC's view of one module with a weight and an optional bias.
 
@@ -326,7 +321,6 @@ def write_rows(
 
 
 __all__ = [
-    'PATCH_BLOCK_ELEMENTS',
     'Grads',
     'ModuleHelper',
     'read_grad',

@@ -78,6 +78,25 @@ def configurations(world_size: int) -> list[dict[str, Any]]:
                 'lr': 0.1,
             },
         )
+    # The clip that keeps the learning rate's meaning, with the learning
+    # rate read from the optimizer (norms summed over what ranks hold).
+    for strategy in STRATEGIES:
+        if (
+            strategy == 'hybrid_opt'
+            and world_size > 1
+            and 0.5 not in fractions
+        ):
+            continue
+        configs.append(
+            {
+                'grad_worker_fraction': strategy,
+                'inv_update_steps': 2,
+                'damping': 0.01,
+                'kl_clip': 0.5,
+                'kl_clip_rule': 'relative',
+                'optimizer': True,
+            },
+        )
     return configs
 
 
@@ -99,8 +118,11 @@ def train(
             model,
             device_ids=None if device.type == 'cpu' else [device],
         )
-    precon = KFACPreconditioner(wrapped, **config)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    options = dict(config)
+    if options.pop('optimizer', False):
+        options['optimizer'] = optimizer
+    precon = KFACPreconditioner(wrapped, **options)
     per_rank = GLOBAL_BATCH // world_size
     for step in range(STEPS):
         x, y = classification_data(GLOBAL_BATCH, (2, 8, 8), seed=step)
