@@ -12,7 +12,10 @@
 * The registration report shown on the troubleshooting page is what its
   code logs, character for character.
 * Every ```python block of ``README.md`` runs (in order, one namespace), and
-  a ``print(...)  # text`` prints ``text``.
+  a ``print(...)  # text`` prints ``text``; a block of the README or the
+  docs fenced ```py (shown, not run) needs a process group, a distributed
+  checkpoint or a GPU.
+* The README and the docs' first pages state pyproject.toml's torch floor.
 """
 
 from __future__ import annotations
@@ -234,6 +237,40 @@ def test_registration_report_is_what_the_code_logs(
     ]
     assert len(logged) == 1
     assert logged[0] == shown[0].rstrip('\n')
+
+
+# -- code shown but not run ---------------------------------------------------
+
+#: What a block fenced ```py (shown, not run) must need: a process group,
+#: a distributed checkpoint or a GPU, which one test process does not have.
+UNRUNNABLE = ('init_process_group', 'dcp.', "'cuda'")
+
+
+def test_only_code_that_cannot_run_here_is_not_run() -> None:
+    pages = [ROOT / 'README.md', *sorted((ROOT / 'docs').rglob('*.md'))]
+    for page in pages:
+        for kind, body in FENCE.findall(page.read_text()):
+            if kind != 'py':
+                continue
+            assert any(need in body for need in UNRUNNABLE), (
+                f'{page.relative_to(ROOT)}: a ```py block (not run) that '
+                f'could run as ```python:\n{body}'
+            )
+
+
+# -- the torch requirement ----------------------------------------------------
+
+
+def test_stated_torch_floor_is_the_packages() -> None:
+    pyproject = (ROOT / 'pyproject.toml').read_text()
+    floors = re.findall(r"'torch>=([\d.]+)'", pyproject)
+    assert len(floors) == 1, 'pyproject.toml names one torch floor'
+    for name in ('README.md', 'docs/index.md', 'docs/getting-started.md'):
+        stated = re.findall(r'torch>=([\d.]+)', (ROOT / name).read_text())
+        assert stated, f'{name} states no torch requirement'
+        assert set(stated) == set(floors), (
+            f'{name} says torch>={stated}, pyproject.toml {floors[0]}'
+        )
 
 
 # -- the README's code -------------------------------------------------------
