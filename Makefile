@@ -3,6 +3,14 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 TORCH_SPEC ?= torch==2.13.0
+# Which build of torch pip installs is pip's choice, from its configured
+# indexes: on this project's machines the CPU build lies on local disk
+# (pip.conf's find-links); on a stock machine PyPI serves the CUDA build
+# (several GB). For the CPU build there, name PyTorch's CPU index:
+#   make test TORCH_INDEX=https://download.pytorch.org/whl/cpu
+# Empty (the default) adds nothing to the pip command.
+TORCH_INDEX ?=
+TORCH_INDEX_ARG := $(if $(TORCH_INDEX),--index-url '$(TORCH_INDEX)')
 STAMP := $(VENV)/.installed
 
 .PHONY: test lint typecheck pytest venv clean docs
@@ -12,8 +20,9 @@ test: $(STAMP) lint typecheck docs pytest
 $(STAMP): pyproject.toml requirements-dev.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	# CPU build from this machine's disk; never a CUDA build.
-	$(PY) -m pip install --quiet '$(TORCH_SPEC)'
+	# torch first, from TORCH_INDEX if given (see above); the next line's
+	# pin then keeps it (torch==2.13.0 matches 2.13.0+cpu).
+	$(PY) -m pip install --quiet $(TORCH_INDEX_ARG) '$(TORCH_SPEC)'
 	$(PY) -m pip install --quiet -r requirements-dev.txt '$(TORCH_SPEC)'
 	$(PY) -m pip install --quiet --no-deps -e .
 	touch $(STAMP)
