@@ -121,7 +121,8 @@ class KFACPreconditioner(BaseKFACPreconditioner):
         inv_dtype: dtype of the decompositions.
         skip_layers: regexes of module names or class names to leave alone.
         update_factors_in_hook: compute statistics in the hooks.
-        loglevel: level of informational log messages.
+        loglevel: the level at which the construction summary (options
+            and placement) is logged; nothing else.
         loss_average: how the loss averages its terms: `'batch'` (the
             default: a mean over the `N` examples, PyTorch's default
             reduction), `'batch+sequence'` (a mean over examples and

@@ -80,7 +80,8 @@ class TorchDistributedCommunicator:
     collective is called by every rank of its group in the same order with
     tensors of the same shape and dtype (see the module docstring).
     `bytes_communicated` and `collectives_started` count, per kind
-    (`'allreduce'`, `'broadcast'`, `'allgather'`), the payload bytes this
+    (`'allreduce'`, `'broadcast'`, `'allgather'`, `'scatter'`: only the
+    source's bytes), the payload bytes this
     rank handed to collectives and how many it started; completed
     world-size-1 shortcuts are not counted.
     [`reset_stats`][kfac.distributed.TorchDistributedCommunicator.reset_stats]

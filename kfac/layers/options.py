@@ -118,7 +118,12 @@ def check_module_options(value: object) -> Overrides:
                 f'allowed: {", ".join(OPTION_NAMES)}',
             )
         for option, setting in options.items():
-            ModuleOptions(**{option: setting})  # type-checks the value
+            try:
+                ModuleOptions(**{option: setting})  # checks the value
+            except (TypeError, ValueError) as error:
+                raise type(error)(
+                    f'module_options[{pattern!r}]: {error}'
+                ) from None
         checked.append((pattern, dict(options)))
     return tuple(checked)
 

@@ -31,9 +31,15 @@ def check_loss_average(loss_average: object) -> str | None:
     """Return `loss_average` if allowed.
 
     Raises:
-        ValueError: a value outside
+        TypeError: neither a string nor None.
+        ValueError: a string outside
             [`LOSS_AVERAGES`][kfac.layers.statistics.LOSS_AVERAGES].
     """
+    if loss_average is not None and not isinstance(loss_average, str):
+        raise TypeError(
+            f'loss_average must be one of {LOSS_AVERAGES}; got '
+            f'{loss_average!r} of type {type(loss_average).__name__}',
+        )
     if loss_average not in LOSS_AVERAGES:
         raise ValueError(
             f'loss_average must be one of {LOSS_AVERAGES}; got '

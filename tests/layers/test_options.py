@@ -154,3 +154,20 @@ def test_transformer_submodules_inherit_the_layout() -> None:
         torch.testing.assert_close(
             grads[1][name], grad, rtol=1e-10, atol=1e-15
         )
+
+
+def test_a_bad_value_names_its_pattern() -> None:
+    with pytest.raises(
+        ValueError, match=r"^module_options\['0'\]: kfac_approx"
+    ):
+        KFACPreconditioner(
+            nn.Sequential(nn.Linear(2, 2)),
+            module_options={'0': {'kfac_approx': 'mean'}},
+        )
+    with pytest.raises(
+        TypeError, match=r"^module_options\['0'\]: batch_first"
+    ):
+        KFACPreconditioner(
+            nn.Sequential(nn.Linear(2, 2)),
+            module_options={'0': {'batch_first': 1}},
+        )

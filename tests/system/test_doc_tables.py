@@ -36,7 +36,7 @@ from torch import nn
 from kfac.preconditioner import KFACPreconditioner
 from kfac.tracing import PHASES
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 GUIDE = ROOT / 'docs' / 'guide'
 SIGNATURE = inspect.signature(KFACPreconditioner.__init__)
 ARGUMENTS = [name for name in SIGNATURE.parameters if name != 'self']
