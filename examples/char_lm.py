@@ -204,7 +204,7 @@ def build_kfac(
         damping=args.kfac_damping,
         factor_decay=args.kfac_factor_decay,
         kl_clip=args.kfac_kl_clip or None,
-        lr=lambda _: float(optimizer.param_groups[0]['lr']),
+        optimizer=optimizer,
         loss_average='batch+sequence',
         kfac_approx=args.kfac_approx,
         skip_layers=args.kfac_skip_layers,

@@ -113,7 +113,7 @@ def build_kfac(
         damping=args.damping,
         compute_method=args.compute_method,
         grad_worker_fraction=strategy,
-        lr=lambda _: optimizer.param_groups[0]['lr'],
+        optimizer=optimizer,
     )
 
 

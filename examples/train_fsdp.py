@@ -261,7 +261,7 @@ def build_kfac(
         grad_worker_fraction=strategy,
         shard_mode=args.shard_mode,
         loss_average='batch+sequence',  # the loss averages over tokens
-        lr=lambda _: optimizer.param_groups[0]['lr'],
+        optimizer=optimizer,
     )
 
 

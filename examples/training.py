@@ -171,6 +171,7 @@ def add_kfac_args(
     inv_update_steps: int = 100,
     damping: float = 0.003,
     kl_clip: float = 0.001,
+    kl_clip_rule: str = 'kl',
 ) -> None:
     """K-FAC's options, with the given defaults."""
     g = parser.add_argument_group('K-FAC')
@@ -185,6 +186,12 @@ def add_kfac_args(
     g.add_argument('--kfac-factor-decay', type=float, default=0.95)
     g.add_argument(
         '--kfac-kl-clip', type=float, default=kl_clip, help='0: no clip'
+    )
+    g.add_argument(
+        '--kfac-kl-clip-rule',
+        choices=['kl', 'relative'],
+        default=kl_clip_rule,
+        help="'relative': the step keeps scaling with the learning rate",
     )
     g.add_argument(
         '--kfac-damping-decay-epochs',
@@ -232,7 +239,8 @@ def build_kfac(
 ) -> tuple[KFACPreconditioner | None, LambdaParamScheduler | None]:
     """The preconditioner and its schedule (None, None with --no-kfac).
 
-    K-FAC's learning rate (for KL clipping) follows the optimizer's.
+    K-FAC reads the learning rate from the optimizer (`optimizer=`), so
+    it follows the optimizer's schedule.
     """
     if args.no_kfac:
         return None, None
@@ -246,7 +254,8 @@ def build_kfac(
         damping=args.kfac_damping,
         factor_decay=args.kfac_factor_decay,
         kl_clip=args.kfac_kl_clip or None,
-        lr=lambda _: float(optimizer.param_groups[0]['lr']),
+        kl_clip_rule=args.kfac_kl_clip_rule,
+        optimizer=optimizer,
         grad_worker_fraction=strategy,
         grad_scaler=precision.scaler,
         skip_layers=args.kfac_skip_layers,
