@@ -1,4 +1,6 @@
-"""Parameters shared by several modules: one set of factors, or none."""
+"""Parameters shared by several modules: one set of factors (those left
+to the optimizer are in test_sharing.py).
+"""
 
 from __future__ import annotations
 
@@ -123,26 +125,3 @@ def test_a_tied_head_with_a_bias_is_left_to_the_optimizer() -> None:
         'head': 'weight shared with embed in another role: left to the '
         'optimizer',
     }
-
-
-def test_shared_weight_with_different_biases_or_unregistered_owner() -> None:
-    first, second = nn.Linear(3, 3), nn.Linear(3, 3)
-    second.weight = first.weight  # biases differ
-    registration = register_model(nn.Sequential(first, second))
-    assert registration.helpers == {}
-    assert {s.name for s in registration.skipped} == {'0', '1'}
-    user = nn.Linear(3, 3)
-    holder = _Holder(user.weight)  # a module K-FAC does not precondition
-    registration = register_model(nn.Sequential(user, holder))
-    assert registration.helpers == {}
-    reasons = {s.name: s.reason for s in registration.skipped}
-    assert reasons['0'] == (
-        'weight shared with 1 in another role: left to the optimizer'
-    )
-    assert reasons['1'].startswith('unsupported type')
-
-
-class _Holder(nn.Module):
-    def __init__(self, param: torch.Tensor) -> None:
-        super().__init__()
-        self.register_parameter('param', param)  # type: ignore[arg-type]  # the Parameter passed
