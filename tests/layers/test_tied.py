@@ -1,10 +1,6 @@
-"""Parameters shared by several modules: one set of factors (those left
-to the optimizer are in test_sharing.py).
-"""
+"""A weight tied in transposed roles: an embedding and its output head."""
 
 from __future__ import annotations
-
-import copy
 
 import torch
 import torch.nn.functional as F
@@ -12,71 +8,6 @@ from torch import nn
 
 from kfac.layers.register import register_model
 from kfac.preconditioner import KFACPreconditioner
-from testing.asserts import assert_rel_close
-
-F64 = torch.float64
-
-
-class _Tied(nn.Module):
-    """Two Linear modules sharing one weight and bias."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.first = nn.Linear(4, 4)
-        self.second = nn.Linear(4, 4)
-        self.second.weight = self.first.weight
-        self.second.bias = self.first.bias
-        self.head = nn.Linear(4, 2)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out: torch.Tensor = self.head(self.second(torch.tanh(self.first(x))))
-        return out
-
-
-class _CalledTwice(nn.Module):
-    def __init__(self, tied: _Tied) -> None:
-        super().__init__()
-        self.first = copy.deepcopy(tied.first)
-        self.head = copy.deepcopy(tied.head)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out: torch.Tensor = self.head(self.first(torch.tanh(self.first(x))))
-        return out
-
-
-def test_a_parameter_shared_by_two_modules_is_one_module_called_twice() -> (
-    None
-):
-    torch.manual_seed(0)
-    tied = _Tied().double()
-    twice = _CalledTwice(tied).double()
-    precon = KFACPreconditioner(tied, kl_clip=None)
-    reference = KFACPreconditioner(twice, kl_clip=None)
-    assert list(precon.layers) == ['first', 'head']
-    entry = precon.describe()['preconditioned'][0]
-    assert entry['shares_weight_with'] == ['second']
-    for step in range(2):
-        x = torch.randn(
-            6, 4, dtype=F64, generator=torch.Generator().manual_seed(step)
-        )
-        y = torch.randint(
-            0, 2, (6,), generator=torch.Generator().manual_seed(step)
-        )
-        for model, kfac in ((tied, precon), (twice, reference)):
-            model.zero_grad()
-            F.cross_entropy(model(x), y).backward()
-            kfac.step()
-    for name in ('first', 'head'):
-        for mine, theirs in zip(
-            precon.layers[name].factors, reference.layers[name].factors
-        ):
-            assert mine.value is not None and theirs.value is not None
-            assert_rel_close(
-                mine.value, theirs.value, rtol=1e-12, label='tied'
-            )
-    for p, q in zip(tied.parameters(), twice.parameters()):
-        assert p.grad is not None and q.grad is not None
-        assert_rel_close(p.grad, q.grad, rtol=1e-10, label='tied')
 
 
 class _TiedHead(nn.Module):
