@@ -202,10 +202,10 @@ def test_multihead_attention_is_converted_and_preconditioned() -> None:
     x = torch.randn(4, 5, 8, dtype=F64)
     y = torch.randint(0, 3, (4,))
     F.cross_entropy(model(x), y).backward()
-    raw = model.attn.in_proj_weight.grad.clone()  # type: ignore[union-attr]
+    raw = model.attn.in_proj_weight.grad.clone()  # type: ignore[union-attr]  # backward() above set it
     precon.step()
     assert all(layer.has_factors for layer in precon.layers.values())
-    assert not torch.equal(model.attn.in_proj_weight.grad, raw)  # type: ignore[arg-type]
+    assert not torch.equal(model.attn.in_proj_weight.grad, raw)  # type: ignore[arg-type]  # backward() above set it
 
 
 def test_remove_detaches_hooks() -> None:
@@ -488,7 +488,7 @@ def test_base_preconditioner_validates_its_arguments() -> None:
         BaseKFACPreconditioner(
             dict(precon.layers),
             assignment=precon.assignment,
-            update_factors_in_hook='yes',  # type: ignore[arg-type]
+            update_factors_in_hook='yes',  # type: ignore[arg-type]  # wrong on purpose
         )
 
 

@@ -298,13 +298,13 @@ def test_second_step_without_backward_changes_nothing(
     x, y = classification_data(8, (6,))
     F.cross_entropy(model(x), y).backward()
     precon.step()
-    once = [p.grad.clone() for p in model.parameters()]  # type: ignore[union-attr]
+    once = [p.grad.clone() for p in model.parameters()]  # type: ignore[union-attr]  # backward() above set it
     with caplog.at_level(logging.WARNING, logger='kfac'):
         precon.step()
         precon.step()
     assert precon.steps == 1
     for p, g in zip(model.parameters(), once):
-        assert torch.equal(p.grad, g)  # type: ignore[arg-type]
+        assert torch.equal(p.grad, g)  # type: ignore[arg-type]  # backward() above set it
     warnings = [r for r in caplog.records if 'no backward pass' in r.message]
     assert len(warnings) == 1
 

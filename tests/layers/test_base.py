@@ -34,7 +34,7 @@ def layer_with_data(
     """
     torch.manual_seed(0)
     module = nn.Linear(4, 3).double()
-    layer = cls(LinearModuleHelper(module), **kwargs)  # type: ignore[arg-type]
+    layer = cls(LinearModuleHelper(module), **kwargs)  # type: ignore[arg-type]  # keyword options of the layer
     x = torch.randn(6, 4, dtype=F64)
     gout = torch.randn(6, 3, dtype=F64)
     layer.save_layer_input(x, now=True)

@@ -80,7 +80,7 @@ CONVS = {
 @pytest.mark.parametrize('name', list(CONVS))
 def test_conv_factors_equal_definition(name: str) -> None:
     torch.manual_seed(1)
-    conv = nn.Conv2d(2, 3, **CONVS[name]).double()  # type: ignore[arg-type]
+    conv = nn.Conv2d(2, 3, **CONVS[name]).double()  # type: ignore[arg-type]  # keyword options of nn.Conv2d
     x = torch.randn(3, 2, 7, 6, dtype=F64)
     out = conv(x)
     gout = torch.randn_like(out)
@@ -95,7 +95,7 @@ def test_conv_factors_equal_definition(name: str) -> None:
 def test_conv_equals_linear_on_patches(name: str) -> None:
     """A conv is a Linear over its input patches shared across positions."""
     torch.manual_seed(2)
-    conv = nn.Conv2d(2, 3, **CONVS[name]).double()  # type: ignore[arg-type]
+    conv = nn.Conv2d(2, 3, **CONVS[name]).double()  # type: ignore[arg-type]  # keyword options of nn.Conv2d
     x = torch.randn(2, 2, 6, 7, dtype=F64)
     patches = conv_patches(conv, x)  # (N, L, C*kh*kw)
     linear = nn.Linear(
@@ -182,7 +182,7 @@ def test_set_grad_scales_into_any_existing_grad(
     if existing != 'none':
         conv(torch.randn(2, 3, 5, 5, dtype=F64)).sum().backward()
     if existing == 'channels_last':
-        conv.weight.grad = conv.weight.grad.contiguous(  # type: ignore[union-attr]
+        conv.weight.grad = conv.weight.grad.contiguous(  # type: ignore[union-attr]  # backward() above set it
             memory_format=torch.channels_last
         )
     before = conv.weight.grad

@@ -39,7 +39,7 @@ def test_a_weight_tied_in_transposed_roles_is_one_layer() -> None:
     assert raw is not None
     raw = raw.clone()
     precon.step()
-    assert not torch.equal(model.embed.weight.grad, raw)  # type: ignore[arg-type]
+    assert not torch.equal(model.embed.weight.grad, raw)  # type: ignore[arg-type]  # backward() above set it
 
 
 def test_a_tied_head_with_a_bias_is_left_to_the_optimizer() -> None:

@@ -106,7 +106,7 @@ def _step(
         kl_clip=None,
         damping=0.01,
         loss_average='batch+sequence',
-        **kwargs,  # type: ignore[arg-type]
+        **kwargs,  # type: ignore[arg-type]  # keyword options of the preconditioner
     )
     _loss(model(idx), y).backward()
     precon.step()

@@ -78,7 +78,7 @@ def _dense(world: int) -> dict[str, list[torch.Tensor]]:
     precon = KFACPreconditioner(model, damping=DAMPING, kl_clip=None)
     x, y = _data()
     nn.functional.cross_entropy(model(x), y).backward()
-    raw = [p.grad.detach().clone() for p in model.parameters()]  # type: ignore[union-attr]
+    raw = [p.grad.detach().clone() for p in model.parameters()]  # type: ignore[union-attr]  # backward() above set it
     precon.step()
     masked: list[torch.Tensor] = []
     plain: list[torch.Tensor] = []
