@@ -125,10 +125,12 @@ def test_loss_scale_is_divided_out_of_g() -> None:
         precon = KFACPreconditioner(model, grad_scaler=lambda s=scale: s)
         (F.cross_entropy(model(x), y) * scale).backward()
         precon.step()
-        factors.append(precon.layers['fc2'].g.value)
+        factors.append([layer.g.value for layer in precon.layers.values()])
     unscaled, scaled = factors
-    assert unscaled is not None and scaled is not None
-    torch.testing.assert_close(scaled, unscaled, rtol=1e-12, atol=0)
+    assert len(scaled) == len(unscaled) == 2
+    for mine, theirs in zip(scaled, unscaled):
+        assert mine is not None and theirs is not None
+        torch.testing.assert_close(mine, theirs, rtol=1e-12, atol=0)
     assert precon.grad_scaler is not None
 
 

@@ -7,6 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kfac.layers import conv as conv_module
 from kfac.layers.modules import Conv2dModuleHelper
 from kfac.layers.modules import LinearModuleHelper
 from kfac.layers.modules import ModuleHelper
@@ -130,11 +131,6 @@ def test_conv_unbatched_input() -> None:
     a_ref, g_ref = conv_factors(conv, x[None], gout[None])
     assert_rel_close(a, a_ref, label='factors: conv2d A')
     assert_rel_close(g, g_ref, label='factors: conv2d G')
-
-
-def test_grouped_conv_is_refused() -> None:
-    with pytest.raises(ValueError, match='groups=2'):
-        Conv2dModuleHelper(nn.Conv2d(4, 4, 3, groups=2))
 
 
 @pytest.mark.parametrize(
@@ -263,9 +259,7 @@ def test_conv_factors_in_small_blocks_equal_definition(
     padding_mode: Literal['zeros', 'reflect', 'circular'],
 ) -> None:
     """Building patches a few examples at a time gives the same sums."""
-    from kfac.layers import modules
-
-    monkeypatch.setattr(modules, 'PATCH_BLOCK_ELEMENTS', block_elements)
+    monkeypatch.setattr(conv_module, 'PATCH_BLOCK_ELEMENTS', block_elements)
     torch.manual_seed(3)
     conv = nn.Conv2d(
         2, 3, 3, stride=2, padding=1, padding_mode=padding_mode

@@ -1,6 +1,7 @@
-"""Which modules sharing parameters become one layer, and which are left
-to the optimizer (the twin oracle of those that become one layer is in
-`test_tied_twins.py`).
+"""kfac.layers._sharing: which modules sharing parameters become one
+layer, and which are left to the optimizer (the twin oracle of those that
+become one layer is in `test_tied_twins.py`, that of a weight tied in
+transposed roles in `test_tied.py`).
 """
 
 from __future__ import annotations
@@ -41,6 +42,19 @@ def test_shared_weight_with_different_biases_or_unregistered_owner() -> None:
         'weight shared with 1 in another role: left to the optimizer'
     )
     assert reasons['1'].startswith('unsupported type')
+
+
+def test_a_tied_head_with_a_bias_is_left_to_the_optimizer() -> None:
+    """Never preconditioned with the factors of one use alone."""
+    embed, head = nn.Embedding(11, 6), nn.Linear(6, 11)
+    head.weight = embed.weight
+    model = nn.Sequential(embed, nn.Linear(6, 6), head)
+    registration = register_model(model)
+    assert list(registration.helpers) == ['1']
+    assert _reasons(model) == {
+        '0': 'weight shared with 2 in another role: left to the optimizer',
+        '2': 'weight shared with 0 in another role: left to the optimizer',
+    }
 
 
 def test_a_shared_bias_alone_is_left_to_the_optimizer() -> None:
