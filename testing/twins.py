@@ -23,12 +23,15 @@ from dataclasses import field
 from typing import Any
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
 from kfac.preconditioner import KFACPreconditioner
 from testing.asserts import assert_rel_close
+from testing.oracle import ONE_PROCESS
+from testing.oracle import Part
+from testing.oracle import rows
+from testing.oracle import wrap
 
 __all__ = ['KINDS', 'Case', 'Users', 'check_twins', 'make_twins']
 
@@ -125,7 +128,7 @@ def make_twins(kind: str, sharers: int) -> tuple[Users, Users]:
 
 
 def _batch(
-    case: Case, step: int, micro: int, part: tuple[int, int]
+    case: Case, step: int, micro: int, part: Part
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Rows `part` (index, parts) of micro-batch `micro` of step `step`."""
     generator = torch.Generator().manual_seed(100 * step + micro)
@@ -136,9 +139,7 @@ def _batch(
         shape = (BATCH, 2, 4, 4) if 'conv' in case.kind else (BATCH, 4)
         x = torch.randn(shape, dtype=torch.float64, generator=generator)
     y = torch.randint(0, CLASSES, (BATCH,), generator=generator)
-    index, parts = part
-    rows = slice(index * BATCH // parts, (index + 1) * BATCH // parts)
-    return x[rows], y[rows]
+    return rows(x, part), rows(y, part)
 
 
 def _grads(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -173,7 +174,7 @@ def _assert_factors_agree(
             )
 
 
-def check_twins(case: Case, part: tuple[int, int] = (0, 1)) -> int:
+def check_twins(case: Case, part: Part = ONE_PROCESS) -> int:
     """Train the twins of `case` in lockstep on rows `part` of each batch
     (wrapped in DDP when `torch.distributed` is initialised) and assert,
     at every step: equal raw gradients, then equal factors and equal
@@ -183,9 +184,7 @@ def check_twins(case: Case, part: tuple[int, int] = (0, 1)) -> int:
         The number of steps compared.
     """
     shared, twin = make_twins(case.kind, case.sharers)
-    models: list[nn.Module] = [shared, twin]
-    if dist.is_initialized():
-        models = [nn.parallel.DistributedDataParallel(m) for m in models]
+    models = [wrap(shared), wrap(twin)]
     options = {'kl_clip': None, 'damping': 0.01, **case.options}
     precons = [KFACPreconditioner(m, **options) for m in models]
     others = [f'users.{i}' for i in range(1, case.sharers)]
