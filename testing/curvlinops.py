@@ -29,7 +29,7 @@ with warnings.catch_warnings():
         'ignore', '`torch.jit.script` is deprecated', DeprecationWarning
     )
     # No py.typed marker in curvlinops: mypy cannot analyse the import.
-    from curvlinops import KFACLinearOperator  # type: ignore[import-untyped]
+    from curvlinops import KFACLinearOperator  # type: ignore[import-untyped]  # curvlinops has no py.typed
 
 #: `{module name: (A, G)}`.
 Factors = dict[str, tuple[torch.Tensor, torch.Tensor]]

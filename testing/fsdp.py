@@ -15,11 +15,12 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 
 from kfac.layers.attention import convert_attention
 from kfac.preconditioner import KFACPreconditioner
+from testing.oracle import lm_loss
+from testing.oracle import train_steps
 
 GLOBAL_BATCH = 12  # divisible by 1, 2, 3 and 4
 LENGTH, VOCAB, WIDTH, HIDDEN = 6, 13, 8, 7
@@ -79,6 +80,14 @@ def batch(step: int) -> torch.Tensor:
     )
 
 
+def lm_batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """`(inputs, targets)` of `step`: the tokens of `batch(step)` and the
+    same tokens shifted by one.
+    """
+    tokens = batch(step)
+    return tokens[:, :-1], tokens[:, 1:]
+
+
 def build(
     model: nn.Module, config: dict[str, Any]
 ) -> tuple[KFACPreconditioner, torch.optim.Optimizer]:
@@ -102,17 +111,7 @@ def run(
     part: tuple[int, int] = (0, 1),
 ) -> None:
     """Train on part `i` of `n` of the global batch of each step."""
-    index, parts = part
-    per_rank = GLOBAL_BATCH // parts
-    for step in steps:
-        tokens = batch(step)[index * per_rank : (index + 1) * per_rank]
-        optimizer.zero_grad()
-        logits = model(tokens[:, :-1])
-        loss = F.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten())
-        loss.backward()
-        if precon is not None:
-            precon.step()
-        optimizer.step()
+    train_steps(model, precon, optimizer, lm_batch, steps, part, loss=lm_loss)
 
 
 def train(

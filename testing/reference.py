@@ -123,7 +123,7 @@ def eigen_reference(
     """``(A ⊗ G + λ I)⁻¹ vec(V)`` by a dense solve."""
     k = torch.kron(a, g)
     k = k + damping * torch.eye(k.shape[0], dtype=k.dtype)
-    return unvec(torch.linalg.solve(k, vec(v)), tuple(v.shape))  # type: ignore[arg-type]
+    return unvec(torch.linalg.solve(k, vec(v)), (v.shape[0], v.shape[1]))
 
 
 def inverse_reference(
@@ -138,7 +138,7 @@ def inverse_reference(
     ad = a + pi * root * torch.eye(a.shape[0], dtype=a.dtype)
     gd = g + root / pi * torch.eye(g.shape[0], dtype=g.dtype)
     k = torch.kron(ad, gd)
-    return unvec(torch.linalg.solve(k, vec(v)), tuple(v.shape))  # type: ignore[arg-type]
+    return unvec(torch.linalg.solve(k, vec(v)), (v.shape[0], v.shape[1]))
 
 
 def per_example_fisher(

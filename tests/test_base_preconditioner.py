@@ -55,11 +55,11 @@ def test_saved_decomposition_without_factors_is_not_used() -> None:
     assert other.layers['fc2'].has_decomposition
     x, y = classification_data(4, (6,))
     F.cross_entropy(model2(x), y).backward()
-    raw = {n: p.grad.clone() for n, p in model2.named_parameters()}  # type: ignore[union-attr]
+    raw = {n: p.grad.clone() for n, p in model2.named_parameters()}  # type: ignore[union-attr]  # backward() above set it
     other.step()  # step 1: neither a factor nor a decomposition step
     grads = dict(model2.named_parameters())
-    assert torch.equal(grads['fc1.weight'].grad, raw['fc1.weight'])  # type: ignore[arg-type]
-    assert not torch.equal(grads['fc2.weight'].grad, raw['fc2.weight'])  # type: ignore[arg-type]
+    assert torch.equal(grads['fc1.weight'].grad, raw['fc1.weight'])  # type: ignore[arg-type]  # backward() above set it
+    assert not torch.equal(grads['fc2.weight'].grad, raw['fc2.weight'])  # type: ignore[arg-type]  # backward() above set it
 
 
 def test_grad_statistics_need_a_preconditioned_gradient() -> None:

@@ -61,7 +61,7 @@ def test_invalid_lambdas() -> None:
     with pytest.raises(ValueError, match='kl_clip_lambda needs kl_clip'):
         LambdaParamScheduler(precon, kl_clip_lambda=lambda s: 1.0)
     with pytest.raises(TypeError, match='lr_lambda must be callable'):
-        LambdaParamScheduler(precon, lr_lambda=0.5)  # type: ignore[arg-type]
+        LambdaParamScheduler(precon, lr_lambda=0.5)  # type: ignore[arg-type]  # wrong on purpose
 
 
 def test_scheduled_values_are_validated() -> None:

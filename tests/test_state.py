@@ -117,7 +117,7 @@ def test_state_dict_returns_copies() -> None:
     precon.step()
     state = precon.state_dict()
     state['layers']['fc1']['A'].zero_()
-    assert precon.layers['fc1'].a.value.abs().sum() > 0  # type: ignore[union-attr]
+    assert precon.layers['fc1'].a.value.abs().sum() > 0  # type: ignore[union-attr]  # a step above formed the factors
 
 
 def trained(**kwargs: Any) -> tuple[nn.Module, KFACPreconditioner]:
@@ -146,7 +146,7 @@ def test_load_recomputes_decompositions_when_absent_or_incompatible() -> None:
     other.load_state_dict(precon.state_dict())  # eigen format: recomputed
     for name, layer in other.layers.items():
         assert layer.a.decomposition is not None
-        assert torch.equal(layer.a.value, precon.layers[name].a.value)  # type: ignore[arg-type]
+        assert torch.equal(layer.a.value, precon.layers[name].a.value)  # type: ignore[arg-type]  # a step above formed the factors
     _, third = trained(compute_method='eigen')
     third.load_state_dict(precon.state_dict(include_decompositions=False))
     for name, layer in third.layers.items():
@@ -176,7 +176,7 @@ def test_mismatched_checkpoint_names_every_problem() -> None:
     state['layers']['fc1']['A'] = torch.zeros(3, 3)
     state['layers']['fc1']['B'] = torch.zeros(3, 3)
     _, other = trained()
-    before = other.layers['fc1'].a.value.clone()  # type: ignore[union-attr]
+    before = other.layers['fc1'].a.value.clone()  # type: ignore[union-attr]  # a step above formed the factors
     with pytest.raises(ValueError) as info:
         other.load_state_dict(state)
     message = str(info.value)
@@ -184,7 +184,7 @@ def test_mismatched_checkpoint_names_every_problem() -> None:
     assert 'unexpected layers: extra' in message
     assert 'layers.fc1.A has shape (3, 3), expected (7, 7)' in message
     assert 'unexpected entry layers.fc1.B' in message
-    assert torch.equal(other.layers['fc1'].a.value, before)  # type: ignore[arg-type]
+    assert torch.equal(other.layers['fc1'].a.value, before)  # type: ignore[arg-type]  # a step above formed the factors
 
 
 def test_non_strict_load_skips_missing_and_unexpected_layers() -> None:
@@ -195,8 +195,8 @@ def test_non_strict_load_skips_missing_and_unexpected_layers() -> None:
     _, other = trained()
     other.load_state_dict(state, strict=False)
     assert torch.equal(
-        other.layers['fc1'].a.value,  # type: ignore[arg-type]
-        precon.layers['fc1'].a.value,  # type: ignore[arg-type]
+        other.layers['fc1'].a.value,  # type: ignore[arg-type]  # a step above formed the factors
+        precon.layers['fc1'].a.value,  # type: ignore[arg-type]  # a step above formed the factors
     )
     assert not other.layers['fc2'].has_factors
     state['layers']['fc1']['A'] = torch.zeros(2, 2)
@@ -239,7 +239,7 @@ def test_version_1_states_load() -> None:
 def test_state_must_be_a_mapping() -> None:
     _, precon = trained()
     with pytest.raises(TypeError, match='state_dict must be a mapping'):
-        precon.load_state_dict([1, 2])  # type: ignore[arg-type]
+        precon.load_state_dict([1, 2])  # type: ignore[arg-type]  # wrong on purpose
 
 
 def test_unknown_hyperparameters_in_state_are_ignored() -> None:

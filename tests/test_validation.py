@@ -212,7 +212,7 @@ def test_invalid_argument(
 
 def test_model_must_be_a_module() -> None:
     with pytest.raises(TypeError, match='model must be a torch.nn.Module'):
-        KFACPreconditioner('model')  # type: ignore[arg-type]
+        KFACPreconditioner('model')  # type: ignore[arg-type]  # wrong on purpose
 
 
 def test_model_without_supported_layers() -> None:

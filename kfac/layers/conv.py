@@ -64,6 +64,20 @@ class ConvModuleHelper(ModuleHelper):
         self.spatial = len(module.kernel_size)
         """Number of spatial dimensions (1, 2 or 3)."""
 
+    @property
+    def call_settings(self) -> dict[str, object]:
+        """The options, `stride`, `padding`, `dilation` and
+        `padding_mode`.
+        """
+        m = self.module
+        return {
+            **super().call_settings,
+            'stride': m.stride,
+            'padding': m.padding,
+            'dilation': m.dilation,
+            'padding_mode': m.padding_mode,
+        }
+
     def _pad_amounts(self) -> list[int]:
         """`F.pad` amounts, the last dimension first."""
         m = self.module

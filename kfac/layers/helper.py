@@ -136,6 +136,18 @@ class ModuleHelper(abc.ABC):
         return (out, out)
 
     @property
+    def call_settings(self) -> dict[str, object]:
+        """What decides the statistics of a call besides the weight's
+        shape: the per-module options (and a convolution's geometry).
+        Modules sharing a weight are one layer only when these are equal
+        (see [`register_model`][kfac.layers.register.register_model]).
+        """
+        return {
+            'batch_first': self.batch_first,
+            'kfac_approx': self.kfac_approx,
+        }
+
+    @property
     def grad_shape(self) -> tuple[int, int]:
         """Shape of the gradient matrix `V`: `(out, in[+1])`."""
         return (self.g_factor_shape[0], self.a_factor_shape[0])

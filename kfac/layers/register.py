@@ -13,6 +13,7 @@ from collections.abc import Mapping
 
 from torch import nn
 
+from kfac.layers._sharing import tie
 from kfac.layers.attention import AttentionProjection
 from kfac.layers.attention import AttentionProjectionHelper
 from kfac.layers.attention import KFACMultiheadAttention
@@ -28,7 +29,6 @@ from kfac.layers.options import check_module_options
 from kfac.layers.options import check_pattern
 from kfac.layers.options import resolve_options
 from kfac.layers.options import selects
-from kfac.layers.tied import TiedHelper
 
 KNOWN_MODULES: dict[type[nn.Module], type[ModuleHelper]] = {
     nn.Linear: LinearModuleHelper,
@@ -197,8 +197,16 @@ def register_model(
     A module is preconditioned when its type is supported, its weight
     requires grad, no `skip_layers` pattern selects it and its parent does
     not use its weight without calling it (`nn.MultiheadAttention`'s
-    `out_proj`). Every other module with parameters of its own is listed
-    in [`Registration.skipped`][kfac.layers.register.Registration.skipped]
+    `out_proj`). Modules sharing a weight or a bias in the same role
+    (helpers of one type and gradient shape, the same weight and bias and
+    equal [`call_settings`][kfac.layers.helper.ModuleHelper.call_settings];
+    a grouped convolution group by group) are the first one's layers,
+    whose calls are all the sharers' calls; an embedding and a bias-free
+    Linear head sharing its weight are one layer (see
+    [`kfac.layers.tied`][kfac.layers.tied]); any other sharing leaves
+    every module involved to the optimizer. Every other module with
+    parameters of its own is listed in
+    [`Registration.skipped`][kfac.layers.register.Registration.skipped]
     with the reason.
 
     Args:
@@ -241,7 +249,11 @@ def register_model(
         if own:
             cls = type(module).__name__
             skipped.append(Skipped(name or '<root>', cls, own, reason))
-    aliases = _tie(modules, helpers, skipped)
+    aliases, shared = tie(modules, helpers)
+    for name, reason in shared:
+        module = modules[name]
+        own = _own_parameters(module)
+        skipped.append(Skipped(name, type(module).__name__, own, reason))
     helpers, blocks = _split_large(helpers, options, sources, aliases)
     options = {n: options[n] for n in helpers}
     sources = {n: sources[n] for n in helpers}
@@ -310,94 +322,6 @@ def _embeddings_expand(
             options[name], kfac_approx='expand'
         )
         sources[name]['kfac_approx'] = 'model (embeddings: expand only)'
-
-
-def _same_role(first: ModuleHelper, other: ModuleHelper) -> bool:
-    return (
-        type(first) is type(other)
-        and first.grad_shape == other.grad_shape
-        and first.bias is other.bias
-    )
-
-
-def _tie(
-    modules: Mapping[str, nn.Module],
-    helpers: dict[str, ModuleHelper],
-    skipped: list[Skipped],
-) -> dict[str, list[str]]:
-    """Group the modules that share a weight (in place).
-
-    Modules sharing a weight in the same role (same helper type, gradient
-    shape and bias) become one layer, the first one's; an embedding tied
-    to a bias-free Linear head becomes one
-    [`TiedHelper`][kfac.layers.tied.TiedHelper] layer, the first one's,
-    combining both uses (see [`kfac.layers.tied`][kfac.layers.tied]); a
-    weight shared in another role (a module that is not preconditioned, a
-    head with a bias) leaves every module using it to the optimizer: one
-    `.grad` is never preconditioned twice, nor with the factors of one use
-    alone.
-    """
-    owners: dict[int, list[str]] = {}
-    for name, module in modules.items():
-        for _, param in module.named_parameters(recurse=False):
-            owners.setdefault(id(param), []).append(name)
-    aliases: dict[str, list[str]] = {}
-    for name in list(helpers):
-        helper = helpers.get(name)
-        if helper is None or isinstance(helper, AttentionProjectionHelper):
-            continue
-        users = owners.get(id(helper.weight), [name])
-        if len(users) == 1:
-            continue
-        same = all(
-            user in helpers and _same_role(helper, helpers[user])
-            for user in users
-        )
-        first, *others = users
-        if same:
-            aliases[first] = others
-            for user in others:
-                del helpers[user]
-            continue
-        tied = _transposed(helpers, users)
-        if tied is not None:
-            helpers[first] = tied
-            aliases[first] = others
-            for user in others:
-                del helpers[user]
-            continue
-        for user in users:
-            if helpers.pop(user, None) is not None:
-                shared = ', '.join(u for u in users if u != user)
-                reason = (
-                    f'weight shared with {shared} in another role: left '
-                    'to the optimizer'
-                )
-                module = modules[user]
-                own = _own_parameters(module)
-                skipped.append(
-                    Skipped(user, type(module).__name__, own, reason)
-                )
-    return aliases
-
-
-def _transposed(
-    helpers: Mapping[str, ModuleHelper], users: list[str]
-) -> TiedHelper | None:
-    """The tied helper of an embedding and a bias-free Linear head sharing
-    its weight, or None for any other set of users.
-    """
-    if len(users) != 2:
-        return None
-    by_kind = {type(helpers.get(user)): user for user in users}
-    emb_name = by_kind.get(EmbeddingModuleHelper)
-    head_name = by_kind.get(LinearModuleHelper)
-    if emb_name is None or head_name is None:
-        return None
-    embedding, head = helpers[emb_name], helpers[head_name]
-    if head.bias is not None:
-        return None
-    return TiedHelper(embedding, head, (emb_name, head_name))
 
 
 def register_modules(

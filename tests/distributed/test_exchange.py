@@ -19,6 +19,7 @@ from kfac.distributed._exchange import start_decomposition_broadcast
 from kfac.distributed._exchange import start_factor_allreduce
 from kfac.distributed._exchange import start_grad_broadcast
 from kfac.distributed._exchange import wait
+from kfac.layers.base import KFACBaseLayer
 from kfac.layers.eigen import KFACEigenLayer
 from kfac.layers.inverse import KFACInverseLayer
 from kfac.layers.modules import LinearModuleHelper
@@ -26,13 +27,13 @@ from kfac.layers.modules import LinearModuleHelper
 F64 = torch.float64
 
 
-def _layer(cls: type = KFACEigenLayer) -> KFACEigenLayer:
+def _layer(cls: type[KFACBaseLayer] = KFACEigenLayer) -> KFACBaseLayer:
     torch.manual_seed(0)
     layer = cls(LinearModuleHelper(nn.Linear(3, 2).double()))
     x = torch.randn(5, 3, dtype=F64)
     layer.save_layer_input(x, now=True)
     layer.save_layer_grad_output(torch.randn(5, 2, dtype=F64), now=True)
-    return layer  # type: ignore[no-any-return]
+    return layer
 
 
 def test_allreduce_before_the_first_update_raises() -> None:
@@ -101,4 +102,4 @@ class _Failing:
 
 def test_wait_names_the_operation() -> None:
     with pytest.raises(KFACDistributedError, match='K-FAC x failed on rank 0'):
-        wait(_Failing(), 'x')  # type: ignore[arg-type]
+        wait(_Failing(), 'x')  # type: ignore[arg-type]  # a stand-in for a Handle

@@ -31,7 +31,7 @@ def test_future_handle_waits_for_its_future() -> None:
 def test_future_handle_raises_the_error_of_its_future() -> None:
     failing: torch.futures.Future[torch.Tensor] = torch.futures.Future()
     # torch's stub types the argument of set_exception as the result type.
-    failing.set_exception(RuntimeError('collective failed'))  # type: ignore[arg-type]
+    failing.set_exception(RuntimeError('collective failed'))  # type: ignore[arg-type]  # torch's stub: the result type
     handle = FutureHandle(failing)
     assert handle.done()
     with pytest.raises(RuntimeError, match='collective failed'):

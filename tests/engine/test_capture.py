@@ -125,10 +125,12 @@ def test_loss_scale_is_divided_out_of_g() -> None:
         precon = KFACPreconditioner(model, grad_scaler=lambda s=scale: s)
         (F.cross_entropy(model(x), y) * scale).backward()
         precon.step()
-        factors.append(precon.layers['fc2'].g.value)
+        factors.append([layer.g.value for layer in precon.layers.values()])
     unscaled, scaled = factors
-    assert unscaled is not None and scaled is not None
-    torch.testing.assert_close(scaled, unscaled, rtol=1e-12, atol=0)
+    assert len(scaled) == len(unscaled) == 2
+    for mine, theirs in zip(scaled, unscaled):
+        assert mine is not None and theirs is not None
+        torch.testing.assert_close(mine, theirs, rtol=1e-12, atol=0)
     assert precon.grad_scaler is not None
 
 
@@ -298,13 +300,13 @@ def test_second_step_without_backward_changes_nothing(
     x, y = classification_data(8, (6,))
     F.cross_entropy(model(x), y).backward()
     precon.step()
-    once = [p.grad.clone() for p in model.parameters()]  # type: ignore[union-attr]
+    once = [p.grad.clone() for p in model.parameters()]  # type: ignore[union-attr]  # backward() above set it
     with caplog.at_level(logging.WARNING, logger='kfac'):
         precon.step()
         precon.step()
     assert precon.steps == 1
     for p, g in zip(model.parameters(), once):
-        assert torch.equal(p.grad, g)  # type: ignore[arg-type]
+        assert torch.equal(p.grad, g)  # type: ignore[arg-type]  # backward() above set it
     warnings = [r for r in caplog.records if 'no backward pass' in r.message]
     assert len(warnings) == 1
 

@@ -239,7 +239,7 @@ def test_separate_projection_weights_without_bias_are_preconditioned() -> None:
     kv = torch.randn(N, S, 8, dtype=F64)
     model(q, kv).tanh().sum().backward()
     raw = {
-        n: p.grad.clone()  # type: ignore[union-attr]
+        n: p.grad.clone()  # type: ignore[union-attr]  # backward() above set it
         for n, p in attention.named_parameters()
     }
     precon.step()

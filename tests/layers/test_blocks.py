@@ -64,7 +64,7 @@ def test_split_without_a_limit_and_bad_arguments() -> None:
     with pytest.raises(ValueError, match='limit must be >= 1'):
         split(5, 0)
     with pytest.raises(TypeError, match='dim'):
-        split(2.5, 1)  # type: ignore[arg-type]
+        split(2.5, 1)  # type: ignore[arg-type]  # wrong on purpose
 
 
 def _model_and_grads(
@@ -279,7 +279,7 @@ def test_max_factor_dim_is_validated(
     value: object, error: type[Exception], match: str
 ) -> None:
     with pytest.raises(error, match=match):
-        KFACPreconditioner(nn.Linear(2, 2), max_factor_dim=value)  # type: ignore[arg-type]
+        KFACPreconditioner(nn.Linear(2, 2), max_factor_dim=value)  # type: ignore[arg-type]  # wrong on purpose (some values)
     with pytest.raises(error, match=match):
         register_model(
             nn.Linear(2, 2), module_options={'': {'max_factor_dim': value}}

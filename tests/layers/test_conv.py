@@ -31,7 +31,7 @@ def _step(
     first = next(iter(precon.layers.values())).module.module
     outputs: list[torch.Tensor] = []
     handle = first.register_forward_hook(
-        lambda m, i, o: outputs.append(o) or o.retain_grad()  # type: ignore[func-returns-value]
+        lambda m, i, o: outputs.append(o) or o.retain_grad()  # type: ignore[func-returns-value]  # append and retain_grad return None
     )
     y = model(x)
     handle.remove()
@@ -158,9 +158,9 @@ class _Split(nn.Module):
             kind(
                 self.width,
                 out,
-                grouped.kernel_size,  # type: ignore[arg-type]
-                stride=grouped.stride,  # type: ignore[arg-type]
-                padding=grouped.padding,  # type: ignore[arg-type]
+                grouped.kernel_size,  # type: ignore[arg-type]  # a Conv2d's own settings
+                stride=grouped.stride,  # type: ignore[arg-type]  # a Conv2d's own settings
+                padding=grouped.padding,  # type: ignore[arg-type]  # a Conv2d's own settings
                 bias=grouped.bias is not None,
             ).double()
             for _ in range(groups)

@@ -47,7 +47,7 @@ VOCAB, DIM = 7, 3
 
 def embedding(**kwargs: object) -> nn.Embedding:
     torch.manual_seed(0)
-    return nn.Embedding(VOCAB, DIM, **kwargs).double()  # type: ignore[arg-type]
+    return nn.Embedding(VOCAB, DIM, **kwargs).double()  # type: ignore[arg-type]  # keyword options of nn.Embedding
 
 
 def tokens(*shape: int) -> torch.Tensor:
@@ -160,7 +160,7 @@ def test_unsupported_options_are_named() -> None:
     with pytest.raises(ValueError, match='cannot precondition an embedding'):
         EmbeddingModuleHelper(embedding(max_norm=2.0))
     with pytest.raises(TypeError, match='needs an nn.Embedding'):
-        EmbeddingModuleHelper(nn.Linear(2, 2))  # type: ignore[arg-type]
+        EmbeddingModuleHelper(nn.Linear(2, 2))  # type: ignore[arg-type]  # wrong on purpose
 
 
 def test_registration_refuses_unsupported_options_with_the_reason() -> None:
@@ -178,9 +178,9 @@ def test_registration_refuses_unsupported_options_with_the_reason() -> None:
         for h in registration.helpers.values()
     )
     assert [(s.name, s.reason) for s in registration.skipped] == [
-        ('1', unsupported_reason(model[1])),  # type: ignore[arg-type]
-        ('2', unsupported_reason(model[2])),  # type: ignore[arg-type]
-        ('3', unsupported_reason(model[3])),  # type: ignore[arg-type]
+        ('1', unsupported_reason(model[1])),  # type: ignore[arg-type]  # an nn.Embedding
+        ('2', unsupported_reason(model[2])),  # type: ignore[arg-type]  # an nn.Embedding
+        ('3', unsupported_reason(model[3])),  # type: ignore[arg-type]  # an nn.Embedding
     ]
     assert all(
         s.reason.startswith('embedding with') for s in registration.skipped

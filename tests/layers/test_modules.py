@@ -7,6 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kfac.layers import conv as conv_module
 from kfac.layers.modules import Conv2dModuleHelper
 from kfac.layers.modules import LinearModuleHelper
 from kfac.layers.modules import ModuleHelper
@@ -80,7 +81,7 @@ CONVS = {
 @pytest.mark.parametrize('name', list(CONVS))
 def test_conv_factors_equal_definition(name: str) -> None:
     torch.manual_seed(1)
-    conv = nn.Conv2d(2, 3, **CONVS[name]).double()  # type: ignore[arg-type]
+    conv = nn.Conv2d(2, 3, **CONVS[name]).double()  # type: ignore[arg-type]  # keyword options of nn.Conv2d
     x = torch.randn(3, 2, 7, 6, dtype=F64)
     out = conv(x)
     gout = torch.randn_like(out)
@@ -95,7 +96,7 @@ def test_conv_factors_equal_definition(name: str) -> None:
 def test_conv_equals_linear_on_patches(name: str) -> None:
     """A conv is a Linear over its input patches shared across positions."""
     torch.manual_seed(2)
-    conv = nn.Conv2d(2, 3, **CONVS[name]).double()  # type: ignore[arg-type]
+    conv = nn.Conv2d(2, 3, **CONVS[name]).double()  # type: ignore[arg-type]  # keyword options of nn.Conv2d
     x = torch.randn(2, 2, 6, 7, dtype=F64)
     patches = conv_patches(conv, x)  # (N, L, C*kh*kw)
     linear = nn.Linear(
@@ -130,11 +131,6 @@ def test_conv_unbatched_input() -> None:
     a_ref, g_ref = conv_factors(conv, x[None], gout[None])
     assert_rel_close(a, a_ref, label='factors: conv2d A')
     assert_rel_close(g, g_ref, label='factors: conv2d G')
-
-
-def test_grouped_conv_is_refused() -> None:
-    with pytest.raises(ValueError, match='groups=2'):
-        Conv2dModuleHelper(nn.Conv2d(4, 4, 3, groups=2))
 
 
 @pytest.mark.parametrize(
@@ -182,7 +178,7 @@ def test_set_grad_scales_into_any_existing_grad(
     if existing != 'none':
         conv(torch.randn(2, 3, 5, 5, dtype=F64)).sum().backward()
     if existing == 'channels_last':
-        conv.weight.grad = conv.weight.grad.contiguous(  # type: ignore[union-attr]
+        conv.weight.grad = conv.weight.grad.contiguous(  # type: ignore[union-attr]  # backward() above set it
             memory_format=torch.channels_last
         )
     before = conv.weight.grad
@@ -263,8 +259,6 @@ def test_conv_factors_in_small_blocks_equal_definition(
     padding_mode: Literal['zeros', 'reflect', 'circular'],
 ) -> None:
     """Building patches a few examples at a time gives the same sums."""
-    from kfac.layers import conv as conv_module
-
     monkeypatch.setattr(conv_module, 'PATCH_BLOCK_ELEMENTS', block_elements)
     torch.manual_seed(3)
     conv = nn.Conv2d(

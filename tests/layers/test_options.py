@@ -94,7 +94,7 @@ def _preconditioned_grads(
     F.cross_entropy(out.reshape(-1, out.shape[-1]), y.reshape(-1)).backward()
     precon.step()
     return {
-        n: p.grad.clone()  # type: ignore[union-attr]
+        n: p.grad.clone()  # type: ignore[union-attr]  # backward() above set it
         for n, p in model.named_parameters()
     }
 

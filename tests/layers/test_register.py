@@ -45,13 +45,13 @@ def test_finds_supported_modules_in_order() -> None:
     ],
 )
 def test_skip_patterns(patterns: object, expected: list[str]) -> None:
-    found = register_modules(model(), skip_layers=patterns)  # type: ignore[arg-type]
+    found = register_modules(model(), skip_layers=patterns)  # type: ignore[arg-type]  # every accepted type, and wrong ones
     assert list(found) == expected
 
 
 def test_modules_without_trainable_weight_are_skipped() -> None:
     m = model()
-    m[2][0].weight.requires_grad_(False)  # type: ignore[index]
+    m[2][0].weight.requires_grad_(False)  # type: ignore[index]  # model()[2] is an nn.Sequential
     assert list(register_modules(m)) == ['0', '2.1']
 
 

@@ -54,11 +54,11 @@ def _chained_callbacks_during(
         return original(future, callback)
 
     # A spy in place of the method (its generic signature is not kept).
-    torch._C.Future.then = then  # type: ignore[method-assign,assignment]
+    torch._C.Future.then = then  # type: ignore[method-assign,assignment]  # a spy in place of the method
     try:
         run()
     finally:
-        torch._C.Future.then = original  # type: ignore[method-assign]
+        torch._C.Future.then = original  # type: ignore[method-assign]  # the method put back
     return calls
 
 

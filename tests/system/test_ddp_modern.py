@@ -13,24 +13,18 @@ COMM-OPT and MEM-OPT, expand and reduce.
 
 from __future__ import annotations
 
-import json
 import pathlib
 from typing import Any
 
 import pytest
 import torch
-import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 
 from kfac.preconditioner import KFACPreconditioner
-from testing.asserts import WORST
-from testing.ddp import compare_ranks
-from testing.ddp import flat_params
-from testing.distributed import run_distributed
+from testing import fsdp
+from testing import oracle
 
-GLOBAL_BATCH = 12  # divisible by 1, 2, 3 and 4
-LENGTH, VOCAB, WIDTH = 6, 13, 8
+LENGTH, VOCAB, WIDTH = fsdp.LENGTH, fsdp.VOCAB, fsdp.WIDTH
 STEPS = 3
 CONFIGS: list[dict[str, Any]] = [
     {'grad_worker_fraction': 'comm_opt', 'compute_method': 'eigen'},
@@ -66,12 +60,14 @@ class SmallLM(nn.Module):
         return out
 
 
-def _train(
-    model: nn.Module, config: dict[str, Any], rank: int, world: int
-) -> None:
-    wrapped = model
-    if dist.is_initialized():
-        wrapped = nn.parallel.DistributedDataParallel(model)
+def _fresh() -> nn.Module:
+    torch.manual_seed(7)
+    return SmallLM().double()
+
+
+def _train(config: dict[str, Any], part: oracle.Part) -> torch.Tensor:
+    model = _fresh()
+    wrapped = oracle.wrap(model)
     precon = KFACPreconditioner(
         wrapped,
         loss_average='batch+sequence',
@@ -81,40 +77,16 @@ def _train(
         **config,
     )
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    per_rank = GLOBAL_BATCH // world
-    for step in range(STEPS):
-        generator = torch.Generator().manual_seed(step)
-        tokens = torch.randint(
-            0, VOCAB, (GLOBAL_BATCH, LENGTH + 1), generator=generator
-        )
-        mine = tokens[rank * per_rank : (rank + 1) * per_rank]
-        optimizer.zero_grad()
-        logits = wrapped(mine[:, :-1])
-        F.cross_entropy(logits.flatten(0, 1), mine[:, 1:].flatten()).backward()
-        precon.step()
-        optimizer.step()
-
-
-def _fresh() -> nn.Module:
-    torch.manual_seed(7)
-    return SmallLM().double()
-
-
-def _body(world: int, out_dir: str) -> None:
-    rank = dist.get_rank()
-    expected = torch.load(pathlib.Path(out_dir) / 'expected.pt')
-    results = []
-    for index, config in enumerate(CONFIGS):
-        model = _fresh()
-        _train(model, config, rank, world)
-        across, versus = compare_ranks(model, expected[index])
-        results.append((across, versus))
-        assert across < 1e-12, (config, across)
-        assert versus < 1e-9, (config, versus)
-    if rank == 0:
-        (pathlib.Path(out_dir) / 'results.json').write_text(
-            json.dumps(results)
-        )
+    oracle.train_steps(
+        wrapped,
+        precon,
+        optimizer,
+        fsdp.lm_batch,
+        range(STEPS),
+        part,
+        loss=oracle.lm_loss,
+    )
+    return oracle.flat_params(model)
 
 
 @pytest.mark.timeout(300)
@@ -122,29 +94,14 @@ def _body(world: int, out_dir: str) -> None:
 def test_small_language_model_ddp_equals_one_process(
     world_size: int, tmp_path: pathlib.Path
 ) -> None:
-    expected = []
-    for config in CONFIGS:
-        model = _fresh()
-        _train(model, config, 0, 1)
-        expected.append(flat_params(model))
-    torch.save(expected, tmp_path / 'expected.pt')
     precon = KFACPreconditioner(_fresh())
     assert {'attn.q_proj', 'attn.out_proj', 'conv', 'mlp'} <= set(
         precon.layers
     )
     assert 'embed' in precon.layers  # tied in transposed roles: one layer
     assert 'head' not in precon.layers
-    run_distributed(
-        _body,
-        world_size,
-        world_size,
-        str(tmp_path),
-        tmp_path=tmp_path,
-        timeout=280,
+    outcomes = oracle.run_oracle(
+        _train, CONFIGS, world_size, tmp_path=tmp_path, timeout=280
     )
-    results = json.loads((tmp_path / 'results.json').read_text())
-    assert len(results) == len(CONFIGS)
-    for _, versus in results:
-        label = f'DDP small LM W={world_size} vs single process'
-        WORST[label] = max(WORST.get(label, 0.0), versus)
-        assert versus > 0 or world_size == 1  # ranks really split the batch
+    label = f'DDP small LM W={world_size} vs single process'
+    oracle.check_outcomes(outcomes, [label] * len(CONFIGS), rtol=1e-9)

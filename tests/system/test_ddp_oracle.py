@@ -16,30 +16,23 @@ rank, so the world sizes above the number of GPUs are skipped.
 
 from __future__ import annotations
 
+import functools
 import itertools
-import json
 import pathlib
 from typing import Any
 
 import pytest
 import torch
-import torch.distributed as dist
-import torch.nn.functional as F
-from torch import nn
 
 from kfac.enums import DistributedStrategy
 from kfac.placement import valid_grad_worker_fractions
 from kfac.preconditioner import KFACPreconditioner
-from testing.asserts import WORST
-from testing.ddp import compare_ranks
-from testing.ddp import flat_params
-from testing.distributed import run_distributed
+from testing import oracle
 from testing.models import TinyCNN
 from testing.models import classification_data
 
 GLOBAL_BATCH = 12  # divisible by 1, 2, 3 and 4
 STEPS = 3
-CPU = torch.device('cpu')
 STRATEGIES = {
     'comm_opt': DistributedStrategy.COMM_OPT,
     'hybrid_opt': DistributedStrategy.HYBRID_OPT,
@@ -100,62 +93,29 @@ def configurations(world_size: int) -> list[dict[str, Any]]:
     return configs
 
 
-def rank_device(device_type: str, rank: int) -> torch.device:
-    """Where rank ``rank`` computes: ``cuda:<rank>`` with NCCL."""
-    return torch.device('cuda', rank) if device_type == 'cuda' else CPU
+def _batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    return classification_data(GLOBAL_BATCH, (2, 8, 8), seed=step)
 
 
 def train(
-    model: nn.Module,
-    config: dict[str, Any],
-    rank: int,
-    world_size: int,
-) -> None:
-    device = next(model.parameters()).device
-    wrapped = model
-    if world_size > 1 or dist.is_initialized():
-        wrapped = nn.parallel.DistributedDataParallel(
-            model,
-            device_ids=None if device.type == 'cpu' else [device],
-        )
+    device_type: str, config: dict[str, Any], part: oracle.Part
+) -> torch.Tensor:
+    """TinyCNN (float64) trained on rows `part`; on `cuda:<rank>` with
+    `device_type` cuda.
+    """
+    device = torch.device('cpu')
+    if device_type == 'cuda':
+        device = torch.device('cuda', part[0])
+    torch.manual_seed(1234)
+    model = TinyCNN().to(device, torch.float64)
+    wrapped = oracle.wrap(model)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     options = dict(config)
     if options.pop('optimizer', False):
         options['optimizer'] = optimizer
     precon = KFACPreconditioner(wrapped, **options)
-    per_rank = GLOBAL_BATCH // world_size
-    for step in range(STEPS):
-        x, y = classification_data(GLOBAL_BATCH, (2, 8, 8), seed=step)
-        xs = x[rank * per_rank : (rank + 1) * per_rank].to(device)
-        ys = y[rank * per_rank : (rank + 1) * per_rank].to(device)
-        optimizer.zero_grad()
-        F.cross_entropy(wrapped(xs), ys).backward()
-        precon.step()
-        optimizer.step()
-
-
-def fresh_model(device: torch.device) -> nn.Module:
-    torch.manual_seed(1234)
-    return TinyCNN().to(device, torch.float64)
-
-
-def ddp_body(world_size: int, out_dir: str, device_type: str) -> None:
-    rank = dist.get_rank()
-    device = rank_device(device_type, rank)
-    expected = torch.load(
-        pathlib.Path(out_dir) / 'expected.pt', map_location=device
-    )
-    results = {}
-    for index, config in enumerate(configurations(world_size)):
-        model = fresh_model(device)
-        train(model, config, rank, world_size)
-        across, versus = compare_ranks(model, expected[index])
-        results[json.dumps(config)] = (across, versus)
-        assert across < 1e-12, (config, across)
-        assert versus < 1e-9, (config, versus)
-    if rank == 0:
-        path = pathlib.Path(out_dir) / 'results.json'
-        path.write_text(json.dumps(results))
+    oracle.train_steps(wrapped, precon, optimizer, _batch, range(STEPS), part)
+    return oracle.flat_params(model)
 
 
 @pytest.mark.timeout(300)
@@ -172,36 +132,28 @@ def test_ddp_equals_single_process(
                 f'NCCL takes one GPU per rank: world size {world_size} '
                 f'needs {world_size} GPUs, this machine has {gpus}'
             )
-    expected = []
-    for config in configurations(world_size):
-        model = fresh_model(device)
-        train(model, config, 0, 1)
-        expected.append(flat_params(model).cpu())
-    torch.save(expected, tmp_path / 'expected.pt')
-    run_distributed(
-        ddp_body,
-        world_size,
-        world_size,
-        str(tmp_path),
-        device.type,
-        tmp_path=tmp_path,
-        timeout=280,
-        backend=backend,
-    )
-    results = json.loads((tmp_path / 'results.json').read_text())
-    assert len(results) == len(configurations(world_size))
-    strategies = {json.loads(c)['grad_worker_fraction'] for c in results}
+    configs = configurations(world_size)
+    strategies = {config['grad_worker_fraction'] for config in configs}
     assert strategies == (
         {'comm_opt', 'mem_opt'}
         if world_size == 3
         else {'comm_opt', 'mem_opt', 'hybrid_opt'}
     )
-    for across, versus in results.values():
-        label = f'DDP W={world_size} vs single process'
-        if backend != 'gloo':
-            label += f' [{backend}]'
-        WORST[label] = max(WORST.get(label, 0.0), versus)
-        WORST['DDP ranks vs each other'] = max(
-            WORST.get('DDP ranks vs each other', 0.0),
-            across,
-        )
+    outcomes = oracle.run_oracle(
+        functools.partial(train, device.type),
+        configs,
+        world_size,
+        tmp_path=tmp_path,
+        timeout=280,
+        backend=backend,
+    )
+    label = f'DDP W={world_size} vs single process'
+    if backend != 'gloo':
+        label += f' [{backend}]'
+    oracle.check_outcomes(
+        outcomes,
+        [label] * len(configs),
+        rtol=1e-9,
+        split=False,
+        across_label='DDP ranks vs each other',
+    )

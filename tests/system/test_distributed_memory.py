@@ -9,9 +9,9 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch import nn
 
 from kfac.preconditioner import KFACPreconditioner
+from testing import oracle
 from testing.distributed import run_distributed
 from testing.models import TinyCNN
 from testing.models import classification_data
@@ -20,9 +20,7 @@ from testing.models import classification_data
 def usage_after_one_step(strategy: str) -> dict[str, int]:
     torch.manual_seed(0)
     model = TinyCNN().double()
-    wrapped: nn.Module = model
-    if dist.is_initialized():
-        wrapped = nn.parallel.DistributedDataParallel(model)
+    wrapped = oracle.wrap(model)
     precon = KFACPreconditioner(
         wrapped,
         grad_worker_fraction=strategy,

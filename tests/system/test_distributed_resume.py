@@ -8,10 +8,10 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 
 from kfac.preconditioner import KFACPreconditioner
+from testing import oracle
 from testing.asserts import assert_rel_close
 from testing.distributed import run_distributed
 from testing.models import TinyCNN
@@ -32,14 +32,16 @@ def setup(
 ) -> tuple[nn.Module, nn.Module, KFACPreconditioner, torch.optim.Optimizer]:
     torch.manual_seed(7)
     model = TinyCNN().double()
-    wrapped: nn.Module = model
-    if dist.is_initialized():
-        wrapped = nn.parallel.DistributedDataParallel(model)
+    wrapped = oracle.wrap(model)
     precon = KFACPreconditioner(
         wrapped, grad_worker_fraction=strategy, **OPTIONS
     )
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     return model, wrapped, precon, optimizer
+
+
+def _batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    return classification_data(GLOBAL_BATCH, (2, 8, 8), seed=step)
 
 
 def steps(
@@ -48,20 +50,9 @@ def steps(
     optimizer: torch.optim.Optimizer,
     which: range,
 ) -> None:
-    world = dist.get_world_size() if dist.is_initialized() else 1
-    rank = dist.get_rank() if dist.is_initialized() else 0
-    per_rank = GLOBAL_BATCH // world
-    for step in which:
-        x, y = classification_data(GLOBAL_BATCH, (2, 8, 8), seed=step)
-        part = slice(rank * per_rank, (rank + 1) * per_rank)
-        optimizer.zero_grad()
-        F.cross_entropy(wrapped(x[part]), y[part]).backward()
-        precon.step()
-        optimizer.step()
-
-
-def flat(model: nn.Module) -> torch.Tensor:
-    return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    oracle.train_steps(
+        wrapped, precon, optimizer, _batch, which, oracle.this_rank()
+    )
 
 
 def resume(strategy: str, checkpoint: pathlib.Path) -> torch.Tensor:
@@ -71,7 +62,7 @@ def resume(strategy: str, checkpoint: pathlib.Path) -> torch.Tensor:
     optimizer.load_state_dict(state['optimizer'])
     precon.load_state_dict(state['kfac'])
     steps(wrapped, precon, optimizer, range(state['kfac']['steps'], 5))
-    return flat(model)
+    return oracle.flat_params(model)
 
 
 def save_then_continue(out_dir: str) -> None:
@@ -88,7 +79,7 @@ def save_then_continue(out_dir: str) -> None:
         torch.save(state, out / 'checkpoint.pt')
     dist.barrier()
     steps(wrapped, precon, optimizer, range(3, 5))
-    final = flat(model)
+    final = oracle.flat_params(model)
     resumed = resume('mem_opt', out / 'checkpoint.pt')
     assert_rel_close(
         resumed, final, rtol=1e-9, label='resume across world sizes'

@@ -188,8 +188,8 @@ def check_twin(
             label='embedding A vs one-hot Linear',
         )
         assert_rel_close(
-            ours.g.value,  # type: ignore[arg-type]
-            theirs.g.value,  # type: ignore[arg-type]
+            ours.g.value,  # type: ignore[arg-type]  # a step above formed the factors
+            theirs.g.value,  # type: ignore[arg-type]  # a step above formed the factors
             rtol=1e-12,
             label='embedding G vs one-hot Linear',
         )

@@ -13,22 +13,16 @@ size loops over the configurations (gloo on the CPU).
 from __future__ import annotations
 
 import itertools
-import json
 import pathlib
 from typing import Any
 
 import pytest
 import torch
-import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 
 from kfac.placement import valid_grad_worker_fractions
 from kfac.preconditioner import KFACPreconditioner
-from testing.asserts import WORST
-from testing.ddp import compare_ranks
-from testing.ddp import flat_params
-from testing.distributed import run_distributed
+from testing import oracle
 
 GLOBAL_BATCH = 6  # divisible by 1, 2 and 3
 POSITIONS = 5
@@ -77,47 +71,21 @@ class Tokens(nn.Module):
         return out
 
 
-def fresh_model() -> nn.Module:
+def _batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(step)
+    x = torch.randint(0, VOCAB, (GLOBAL_BATCH, POSITIONS), generator=generator)
+    y = torch.randint(0, CLASSES, (GLOBAL_BATCH,), generator=generator)
+    return x, y
+
+
+def train(config: dict[str, Any], part: oracle.Part) -> torch.Tensor:
     torch.manual_seed(1234)
-    return Tokens().double()
-
-
-def train(
-    model: nn.Module, config: dict[str, Any], rank: int, world_size: int
-) -> None:
-    wrapped = model
-    if dist.is_initialized():
-        wrapped = nn.parallel.DistributedDataParallel(model)
+    model = Tokens().double()
+    wrapped = oracle.wrap(model)
     precon = KFACPreconditioner(wrapped, **config)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    per_rank = GLOBAL_BATCH // world_size
-    rows = slice(rank * per_rank, (rank + 1) * per_rank)
-    for step in range(STEPS):
-        generator = torch.Generator().manual_seed(step)
-        x = torch.randint(
-            0, VOCAB, (GLOBAL_BATCH, POSITIONS), generator=generator
-        )
-        y = torch.randint(0, CLASSES, (GLOBAL_BATCH,), generator=generator)
-        optimizer.zero_grad()
-        F.cross_entropy(wrapped(x[rows]), y[rows]).backward()
-        precon.step()
-        optimizer.step()
-
-
-def ddp_body(world_size: int, out_dir: str) -> None:
-    rank = dist.get_rank()
-    expected = torch.load(pathlib.Path(out_dir) / 'expected.pt')
-    results = {}
-    for index, config in enumerate(configurations(world_size)):
-        model = fresh_model()
-        train(model, config, rank, world_size)
-        across, versus = compare_ranks(model, expected[index])
-        results[json.dumps(config)] = (across, versus)
-        assert across < 1e-12, (config, across)
-        assert versus < 1e-9, (config, versus)
-    if rank == 0:
-        path = pathlib.Path(out_dir) / 'results.json'
-        path.write_text(json.dumps(results))
+    oracle.train_steps(wrapped, precon, optimizer, _batch, range(STEPS), part)
+    return oracle.flat_params(model)
 
 
 @pytest.mark.timeout(200)
@@ -125,31 +93,21 @@ def ddp_body(world_size: int, out_dir: str) -> None:
 def test_ddp_with_an_embedding_equals_single_process(
     world_size: int, tmp_path: pathlib.Path
 ) -> None:
-    expected = []
-    for config in configurations(world_size):
-        model = fresh_model()
-        train(model, config, 0, 1)
-        expected.append(flat_params(model))
-    torch.save(expected, tmp_path / 'expected.pt')
-    run_distributed(
-        ddp_body,
-        world_size,
-        world_size,
-        str(tmp_path),
-        tmp_path=tmp_path,
-        timeout=180,
-    )
-    results = json.loads((tmp_path / 'results.json').read_text())
-    assert len(results) == len(configurations(world_size))
-    trained = {json.loads(c)['grad_worker_fraction'] for c in results}
+    configs = configurations(world_size)
+    trained = {config['grad_worker_fraction'] for config in configs}
     assert trained == (
         {'comm_opt', 'mem_opt'}
         if world_size == 3
         else {'comm_opt', 'mem_opt', 'hybrid_opt'}
     )
-    for across, versus in results.values():
-        label = f'DDP embedding W={world_size} vs single process'
-        WORST[label] = max(WORST.get(label, 0.0), versus)
-        WORST['DDP embedding ranks vs each other'] = max(
-            WORST.get('DDP embedding ranks vs each other', 0.0), across
-        )
+    outcomes = oracle.run_oracle(
+        train, configs, world_size, tmp_path=tmp_path, timeout=180
+    )
+    label = f'DDP embedding W={world_size} vs single process'
+    oracle.check_outcomes(
+        outcomes,
+        [label] * len(configs),
+        rtol=1e-9,
+        split=False,
+        across_label='DDP embedding ranks vs each other',
+    )

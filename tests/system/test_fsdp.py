@@ -29,7 +29,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 
 from kfac.preconditioner import KFACPreconditioner
 from testing import fsdp
-from testing.asserts import WORST
+from testing import oracle
 from testing.asserts import relative_error
 from testing.distributed import run_distributed
 
@@ -94,42 +94,38 @@ BF16_TOLERANCE = 5e-2
 """bfloat16 keeps 8 bits of mantissa: ~4e-3 per rounding."""
 
 
+CASES: dict[str, Case] = {case[0]: case for case in BASIC + EXTRA + MIXED}
+
+
 def _cases(world: int) -> list[Case]:
     return BASIC + (EXTRA if world == 4 else MIXED if world == 2 else [])
 
 
-def _body(world: int, out_dir: str) -> None:
+def _train_sharded(label: str, part: oracle.Part) -> oracle.Trained:
+    """Case `label` sharded and trained on rows `part`; whether the
+    replicas of an HSDP mesh agree and the bytes K-FAC gathered.
+    """
     from torch.distributed.device_mesh import init_device_mesh
 
-    rank = dist.get_rank()
-    expected = torch.load(pathlib.Path(out_dir) / 'expected.pt')
-    results: dict[str, dict[str, Any]] = {}
-    for label, config, shape, keywords in _cases(world):
-        model = fsdp.fresh()
-        if shape is not None:
-            keywords = {
-                **keywords,
-                'mesh': init_device_mesh(
-                    'cpu', shape, mesh_dim_names=('replicate', 'shard')
-                ),
-            }
-        fsdp.shard(model, **keywords)
-        precon = fsdp.train(model, CONFIGS[config], part=(rank, world))
-        assert precon is not None
-        whole = fsdp.whole_params(model)
-        replicas = True
-        if shape is not None:
-            mesh = keywords['mesh']
-            replicas = fsdp.replicas_equal(model, mesh.get_group('replicate'))
-        results[label] = {
-            'versus': relative_error(whole, expected[config]),
-            'replicas': replicas,
-            'gathered': precon.communicator.bytes_communicated['allgather'],
-        }
-    if rank == 0:
-        (pathlib.Path(out_dir) / 'results.json').write_text(
-            json.dumps(results)
+    _, config, shape, keywords = CASES[label]
+    model = fsdp.fresh()
+    mesh = None
+    if shape is not None:
+        mesh = init_device_mesh(
+            'cpu', shape, mesh_dim_names=('replicate', 'shard')
         )
+        keywords = {**keywords, 'mesh': mesh}
+    fsdp.shard(model, **keywords)
+    precon = fsdp.train(model, CONFIGS[config], part=part)
+    assert precon is not None
+    replicas = True
+    if mesh is not None:
+        replicas = fsdp.replicas_equal(model, mesh.get_group('replicate'))
+    facts = {
+        'replicas': replicas,
+        'gathered': precon.communicator.bytes_communicated['allgather'],
+    }
+    return oracle.Trained(fsdp.whole_params(model), facts)
 
 
 @pytest.mark.timeout(300)
@@ -146,27 +142,35 @@ def test_fully_shard_equals_one_process(
     fsdp.train(plain, None)
     for name, params in expected.items():  # K-FAC changed the updates
         assert relative_error(params, fsdp.whole_params(plain)) > 1e-2, name
-    torch.save(expected, tmp_path / 'expected.pt')
-    run_distributed(
-        _body,
+    labels = [case[0] for case in _cases(world_size)]
+    outcomes = oracle.run_oracle(
+        _train_sharded,
+        labels,
         world_size,
-        world_size,
-        str(tmp_path),
         tmp_path=tmp_path,
         timeout=280,
+        reference=lambda label: expected[CASES[label][1]],
     )
-    results = json.loads((tmp_path / 'results.json').read_text())
-    assert set(results) == {case[0] for case in _cases(world_size)}
-    for label, result in results.items():
-        key = f'FSDP2 W={world_size} {label} vs single process'
-        if label.startswith('bf16'):  # runs, but rounds to bfloat16
-            assert 1e-5 < result['versus'] <= BF16_TOLERANCE, result
-            continue
-        WORST[key] = result['versus']
-        assert result['versus'] <= 1e-10, (label, result)
-        assert result['versus'] > 0  # the ranks really split the batch
-        assert result['replicas'], label
-        assert result['gathered'] > 0, label
+    exact = [
+        (label, ranks)
+        for label, ranks in zip(labels, outcomes)
+        if not label.startswith('bf16')
+    ]
+    oracle.check_outcomes(
+        [ranks for _, ranks in exact],
+        [
+            f'FSDP2 W={world_size} {label} vs single process'
+            for label, _ in exact
+        ],
+        rtol=1e-10,
+    )
+    for label, ranks in zip(labels, outcomes):
+        for outcome in ranks:
+            if label.startswith('bf16'):  # runs, but rounds to bfloat16
+                assert 1e-5 < outcome.versus <= BF16_TOLERANCE, outcome
+                continue
+            assert outcome.facts['replicas'], label
+            assert outcome.facts['gathered'] > 0, label
 
 
 def _gather_and_scatter() -> None:
@@ -382,19 +386,21 @@ def _tied() -> _TiedLM:
 TILED = {'max_factor_dim': 5}  # 13-token vocabulary, width 8: tiles
 
 
-def _tied_body(out_dir: str) -> None:
+def _train_tied(name: str, part: oracle.Part) -> torch.Tensor:
+    """The tied model, sharded under a process group (the tied weight in
+    the root's unit), trained on rows `part`.
+    """
     from torch.distributed.fsdp import fully_shard
 
-    rank, world = dist.get_rank(), dist.get_world_size()
-    results = {}
-    for name in ('comm_opt-eigen', 'mem_opt-inverse'):
-        model = _tied()
+    model = _tied()
+    if dist.is_initialized():
         fully_shard(model.mid)
-        fully_shard(model)  # the tied weight in the root's unit
-        fsdp.train(model, {**CONFIGS[name], **TILED}, part=(rank, world))
-        results[name] = fsdp.whole_params(model).tolist()
-    if rank == 0:
-        (pathlib.Path(out_dir) / 'tied.json').write_text(json.dumps(results))
+        fully_shard(model)
+    precon = fsdp.train(model, {**CONFIGS[name], **TILED}, part=part)
+    assert precon is not None
+    assert {'embed.block0', 'mid.block0'} <= set(precon.layers)
+    assert not any(n.startswith('head') for n in precon.layers)
+    return fsdp.whole_params(model)
 
 
 @pytest.mark.timeout(200)
@@ -404,20 +410,9 @@ def test_tied_and_tiled_layers_under_fully_shard(
     """The tied embedding and head (one layer) and tiles of a blocked
     layer under FSDP2 equal one process, COMM-OPT and MEM-OPT.
     """
-    expected = {}
-    for name in ('comm_opt-eigen', 'mem_opt-inverse'):
-        model = _tied()
-        precon = fsdp.train(model, {**CONFIGS[name], **TILED})
-        assert precon is not None
-        assert {'embed.block0', 'mid.block0'} <= set(precon.layers)
-        assert not any(n.startswith('head') for n in precon.layers)
-        expected[name] = fsdp.whole_params(model)
-    run_distributed(
-        _tied_body, 2, str(tmp_path), tmp_path=tmp_path, timeout=180
+    names = ['comm_opt-eigen', 'mem_opt-inverse']
+    outcomes = oracle.run_oracle(
+        _train_tied, names, 2, tmp_path=tmp_path, timeout=180
     )
-    got = json.loads((tmp_path / 'tied.json').read_text())
-    for name, params in expected.items():
-        whole = torch.tensor(got[name], dtype=torch.float64)
-        error = relative_error(whole, params)
-        WORST[f'FSDP2 W=2 tied and tiled {name}'] = error
-        assert 0 < error <= 1e-10, (name, error)
+    labels = [f'FSDP2 W=2 tied and tiled {name}' for name in names]
+    oracle.check_outcomes(outcomes, labels, rtol=1e-10)

@@ -23,6 +23,7 @@ from torch import nn
 
 from kfac.preconditioner import KFACPreconditioner
 from testing import fsdp
+from testing import oracle
 from testing.asserts import WORST
 from testing.asserts import relative_error
 from testing.distributed import run_distributed
@@ -54,11 +55,8 @@ def _step_grads(
     precon = KFACPreconditioner(
         model, damping=DAMPING, kl_clip=None, shard_mode=shard_mode
     )
-    x, y = _data()
-    index, parts = part
-    per = BATCH // parts
-    mine = slice(index * per, (index + 1) * per)
-    nn.functional.cross_entropy(model(x[mine]), y[mine]).backward()
+    x, y = (oracle.rows(t, part) for t in _data())
+    nn.functional.cross_entropy(model(x), y).backward()
     precon.step()
     grads = []
     for param in model.parameters():
@@ -78,7 +76,7 @@ def _dense(world: int) -> dict[str, list[torch.Tensor]]:
     precon = KFACPreconditioner(model, damping=DAMPING, kl_clip=None)
     x, y = _data()
     nn.functional.cross_entropy(model(x), y).backward()
-    raw = [p.grad.detach().clone() for p in model.parameters()]  # type: ignore[union-attr]
+    raw = [p.grad.detach().clone() for p in model.parameters()]  # type: ignore[union-attr]  # backward() above set it
     precon.step()
     masked: list[torch.Tensor] = []
     plain: list[torch.Tensor] = []
@@ -136,7 +134,7 @@ def _one_step(out_dir: str) -> None:
             pair, shard_mode=mode, kl_clip=None, damping=DAMPING
         )
         tokens = torch.arange(12).remainder(11).reshape(4, 3)
-        mine = tokens[rank * 4 // world : (rank + 1) * 4 // world]
+        mine = oracle.rows(tokens, (rank, world))
         pair(mine).square().sum().backward()
         precon.step()
         weight = embed.weight.grad

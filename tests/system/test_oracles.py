@@ -333,8 +333,8 @@ def test_accumulation_equals_one_large_batch(
     k = 3
     x, y = batch(4 * k, (2, 8, 8), device, oracle_dtype)
     kwargs = dict(compute_method=method, update_factors_in_hook=in_hook)
-    accumulating = KFACPreconditioner(model, accumulation_steps=k, **kwargs)  # type: ignore[arg-type]
-    single = KFACPreconditioner(big, **kwargs)  # type: ignore[arg-type]
+    accumulating = KFACPreconditioner(model, accumulation_steps=k, **kwargs)  # type: ignore[arg-type]  # keyword options of the preconditioner
+    single = KFACPreconditioner(big, **kwargs)  # type: ignore[arg-type]  # keyword options of the preconditioner
     for xs, ys in zip(x.chunk(k), y.chunk(k)):
         (F.cross_entropy(model(xs), ys) / k).backward()
     accumulating.step()

@@ -32,7 +32,7 @@ F64 = torch.float64
 def snapshot(precon: KFACPreconditioner) -> dict[str, list[torch.Tensor]]:
     out = {}
     for name, layer in precon.layers.items():
-        out[name] = [f.value.clone() for f in layer.factors]  # type: ignore[union-attr]
+        out[name] = [f.value.clone() for f in layer.factors]  # type: ignore[union-attr]  # a step above formed the factors
     return out
 
 
@@ -191,7 +191,7 @@ def test_float64_retry_rescues_a_failed_float32_eigh(
     metrics = precon.metrics()
     assert metrics['decomposition_retries'] == 4  # 2 layers x (A, G)
     assert 'decomposition_failures' not in metrics
-    assert precon.layers['fc1'].a.decomposition[0].dtype == torch.float32  # type: ignore[index]
+    assert precon.layers['fc1'].a.decomposition[0].dtype == torch.float32  # type: ignore[index]  # decomposed above
     assert not torch.equal(grad_matrix(model.fc1), raw)
 
 
@@ -214,7 +214,7 @@ def test_jitter_is_the_last_attempt(
     model(x).sum().backward()
     precon.layers[''].update_factors(0.9)
     assert precon.layers[''].compute_decomposition('A', 0.1)
-    a00 = float(precon.layers[''].a.value[0, 0])  # type: ignore[index]
+    a00 = float(precon.layers[''].a.value[0, 0])  # type: ignore[index]  # factors updated above
     assert [d for d, _ in seen] == [
         torch.float32,
         torch.float64,
@@ -292,7 +292,7 @@ def test_nonfinite_preconditioned_gradient_keeps_the_original(
     good_step(model, precon, 0)
     layer = precon.layers['fc1']
     # a decomposition that is finite but produces an infinite gradient
-    q, outer = layer.g.decomposition  # type: ignore[misc]
+    q, outer = layer.g.decomposition  # type: ignore[misc]  # decomposed above
     layer.set_decomposition('G', (q, torch.full_like(outer, math.inf)))
     model.zero_grad()
     x, y = batch(8, (6,), device, seed=1)
@@ -300,7 +300,7 @@ def test_nonfinite_preconditioned_gradient_keeps_the_original(
     raw = grad_matrix(model.fc1).clone()
     with caplog.at_level(logging.WARNING, logger='kfac'):
         precon.factor_update_steps  # noqa: B018 (resolve hyperparameters)
-        precon._update_decompositions = lambda *a, **k: None  # type: ignore[method-assign]
+        precon._update_decompositions = lambda *a, **k: None  # type: ignore[method-assign]  # a stub for this test
         precon.step()
     assert torch.equal(grad_matrix(model.fc1), raw)
     assert precon.metrics()['nonfinite_gradients'] == 1
@@ -341,8 +341,8 @@ def test_failed_cholesky_without_an_exception_is_retried(
         for factor, other in zip(
             layer.factors, reference.layers[name].factors
         ):
-            (inverse,) = factor.decomposition  # type: ignore[misc]
-            (expected,) = other.decomposition  # type: ignore[misc]
+            (inverse,) = factor.decomposition  # type: ignore[misc]  # decomposed above
+            (expected,) = other.decomposition  # type: ignore[misc]  # decomposed above
             assert inverse.dtype == torch.float32
             torch.testing.assert_close(inverse, expected, rtol=1e-4, atol=0)
 

@@ -51,7 +51,7 @@ def nonfinite_on_one_rank() -> None:
     precon = KFACPreconditioner(model, grad_worker_fraction='mem_opt')
     _step(model, precon, 0)
     before = [
-        f.value.clone()  # type: ignore[union-attr]
+        f.value.clone()  # type: ignore[union-attr]  # a step above formed the factors
         for layer in precon.layers.values()
         for f in layer.factors
     ]
@@ -59,12 +59,12 @@ def nonfinite_on_one_rank() -> None:
     after = [
         f.value for layer in precon.layers.values() for f in layer.factors
     ]
-    assert all(torch.equal(a, b) for a, b in zip(before, after))  # type: ignore[arg-type]
+    assert all(torch.equal(a, b) for a, b in zip(before, after))  # type: ignore[arg-type]  # a step above formed the factors
     assert precon.metrics()['nonfinite_statistics_steps'] == 1
     _step(model, precon, 2)
     for layer in precon.layers.values():
         for factor in layer.factors:
-            values = _gathered(factor.value)  # type: ignore[arg-type]
+            values = _gathered(factor.value)  # type: ignore[arg-type]  # a step above formed the factors
             assert all(torch.equal(v, values[0]) for v in values)
 
 
@@ -91,7 +91,7 @@ def failed_eigh_on_one_rank() -> None:
     x, y = classification_data(4 * world, (6,))
     part = slice(rank * 4, rank * 4 + 4)
     F.cross_entropy(ddp(x[part]), y[part]).backward()
-    raw = {n: precon.layers[n].module.get_grad().clone() for n in rank0}  # type: ignore[union-attr]
+    raw = {n: precon.layers[n].module.get_grad().clone() for n in rank0}  # type: ignore[union-attr]  # backward() above set it
     precon.step()
     for name, layer in precon.layers.items():
         grad = layer.module.get_grad()
