@@ -25,6 +25,7 @@ from kfac import enums
 from kfac import hyperparams
 from kfac import layers
 from kfac import math
+from kfac import optimizer
 from kfac import placement
 from kfac import preconditioner
 from kfac import scheduler
@@ -39,6 +40,7 @@ from kfac.enums import AllreduceMethod
 from kfac.enums import AssignmentStrategy
 from kfac.enums import ComputeMethod
 from kfac.enums import DistributedStrategy
+from kfac.optimizer import KFACOptimizer
 from kfac.preconditioner import KFACPreconditioner
 from kfac.scheduler import LambdaParamScheduler
 from kfac.tracing import PhaseTimer
@@ -52,6 +54,7 @@ __all__ = [
     'ComputeMethod',
     'DistributedStrategy',
     'KFACConfig',
+    'KFACOptimizer',
     'KFACPreconditioner',
     'LambdaParamScheduler',
     'PhaseTimer',
@@ -67,6 +70,7 @@ __all__ = [
     'layers',
     'load_dcp',
     'math',
+    'optimizer',
     'placement',
     'preconditioner',
     'scheduler',

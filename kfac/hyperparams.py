@@ -227,11 +227,9 @@ class OptimizerLR:
         weights: Mapping[str, torch.Tensor],
     ) -> None:
         optimizers = check_optimizers(optimizers)
-        where: dict[int, dict[str, Any]] = {}
-        for optimizer in optimizers:
-            for group in optimizer.param_groups:
-                for param in group['params']:
-                    where.setdefault(id(param), group)
+        self.optimizers = optimizers
+        self._weights = dict(weights)
+        where = self._where()
         missing = [n for n, w in weights.items() if id(w) not in where]
         if missing:
             raise ValueError(
@@ -239,25 +237,38 @@ class OptimizerLR:
                 'param group of the optimizer(s) given; pass every optimizer '
                 'that trains a preconditioned layer',
             )
-        self.optimizers = optimizers
-        self._groups = {name: where[id(w)] for name, w in weights.items()}
 
     def __repr__(self) -> str:
         names = ', '.join(type(o).__name__ for o in self.optimizers)
         return f'OptimizerLR({names})'
 
+    def _where(self) -> dict[int, dict[str, Any]]:
+        """The param group holding each parameter, by `id`, looked up
+        afresh (`load_state_dict` replaces an optimizer's groups).
+        """
+        where: dict[int, dict[str, Any]] = {}
+        for optimizer in self.optimizers:
+            for group in optimizer.param_groups:
+                for param in group['params']:
+                    where.setdefault(id(param), group)
+        return where
+
     def __call__(self, step: int) -> float:
         """The learning rate of the first registered weight's group (of
         the first group when no layer is registered).
         """
-        groups = list(self._groups.values()) or [
-            self.optimizers[0].param_groups[0]
-        ]
-        return float(groups[0]['lr'])
+        lrs = self.by_layer()
+        if not lrs:
+            return float(self.optimizers[0].param_groups[0]['lr'])
+        return next(iter(lrs.values()))
 
     def by_layer(self) -> dict[str, float]:
         """Per layer, the current learning rate of its weight's group."""
-        return {name: float(g['lr']) for name, g in self._groups.items()}
+        where = self._where()
+        return {
+            name: float(where[id(w)]['lr'])
+            for name, w in self._weights.items()
+        }
 
 
 def exp_decay_factor_averaging(

@@ -373,9 +373,11 @@ class Capture:
 
     def reset(self) -> None:
         """Forget the calls and passes counted since the last factor
-        update.
+        update, and the loss scale read for them (a step a loss scaler
+        skipped leaves a scale that is no longer current).
         """
         self._queued = False
+        self._loss_scale = None
         for name in self._tallies:
             self._tallies[name] = _Tally()
 

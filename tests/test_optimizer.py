@@ -1,0 +1,349 @@
+"""`KFACOptimizer`: the preconditioner as a `torch.optim.Optimizer`."""
+
+from __future__ import annotations
+
+import copy
+import io
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import kfac
+from kfac.optimizer import KFACOptimizer
+from kfac.preconditioner import KFACPreconditioner
+from testing.models import TinyMLP
+from testing.models import classification_data
+
+F32 = torch.float32
+
+
+def batch(seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    return classification_data(8, (6,), seed=seed, dtype=F32)
+
+
+def loss_of(model: nn.Module, seed: int) -> torch.Tensor:
+    x, y = batch(seed)
+    return F.cross_entropy(model(x), y)
+
+
+def build(
+    model: TinyMLP | None = None,
+    *,
+    base: Callable[[Any], torch.optim.Optimizer] | None = None,
+    **options: Any,
+) -> tuple[TinyMLP, KFACOptimizer]:
+    torch.manual_seed(0)
+    model = model or TinyMLP()
+    make = base or (lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9))
+    precon = KFACPreconditioner(model, damping=0.01, **options)
+    return model, KFACOptimizer(make(model.parameters()), precon)
+
+
+def params(model: nn.Module) -> list[torch.Tensor]:
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def test_front_door() -> None:
+    assert kfac.KFACOptimizer is KFACOptimizer
+    assert 'KFACOptimizer' in kfac.__all__
+
+
+def test_step_is_precondition_then_base_step() -> None:
+    model, opt = build()
+    ref = copy.deepcopy(model)
+    ref_sgd = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+    ref_pre = KFACPreconditioner(ref, damping=0.01, optimizer=ref_sgd)
+    for seed in range(3):
+        opt.zero_grad()
+        loss_of(model, seed).backward()
+        opt.step()
+        ref_sgd.zero_grad()
+        loss_of(ref, seed).backward()
+        ref_pre.step()
+        ref_sgd.step()
+    assert opt.preconditioner.steps == 3
+    for got, want in zip(model.parameters(), ref.parameters(), strict=True):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+    plain = copy.deepcopy(ref)
+    ref_pre.remove()
+    # K-FAC changed the step: a plain SGD step differs.
+    plain_sgd = torch.optim.SGD(plain.parameters(), lr=0.1)
+    loss_of(plain, 5).backward()
+    plain_sgd.step()
+    assert not torch.equal(plain.fc1.weight, ref.fc1.weight)
+
+
+def test_closure_runs_with_grad_and_returns_the_loss() -> None:
+    model, opt = build()
+    ref, ref_opt = build(copy.deepcopy(model))
+
+    def closure() -> torch.Tensor:
+        opt.zero_grad()
+        loss = loss_of(model, 0)
+        loss.backward()
+        return loss
+
+    with torch.no_grad():
+        loss = opt.step(closure)
+    assert isinstance(loss, torch.Tensor)
+    ref_opt.zero_grad()
+    want = loss_of(ref, 0)
+    want.backward()
+    assert ref_opt.step() is None
+    assert loss.item() == want.item()
+    torch.testing.assert_close(model.fc1.weight, ref.fc1.weight)
+    assert opt.preconditioner.steps == 1
+
+
+def test_param_groups_state_and_defaults_are_the_base_optimizers() -> None:
+    model, opt = build()
+    base = opt.base_optimizer
+    assert opt.param_groups is base.param_groups
+    assert opt.defaults is base.defaults
+    loss_of(model, 0).backward()
+    opt.step()
+    assert opt.state is base.state and len(base.state) == 4
+    opt.zero_grad()
+    assert all(p.grad is None for p in model.parameters())
+    opt.param_groups = [dict(g) for g in base.param_groups]
+    opt.state = copy.copy(base.state)
+    opt.defaults = dict(base.defaults)
+    assert opt.param_groups is base.param_groups
+    assert opt.state is base.state and opt.defaults is base.defaults
+    extra = nn.Parameter(torch.zeros(2))
+    opt.add_param_group({'params': [extra]})
+    assert base.param_groups[-1]['params'] == [extra]
+    assert repr(opt).startswith('KFACOptimizer(SGD, KFACPreconditioner(')
+
+
+def test_lr_scheduler_reaches_the_preconditioner() -> None:
+    model, opt = build()
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    lrs = []
+    for seed in range(3):
+        opt.zero_grad()
+        loss_of(model, seed).backward()
+        opt.step()
+        lrs.append(opt.preconditioner.lr)
+        sched.step()
+    assert lrs == [0.1, 0.05, 0.025]
+    assert opt.base_optimizer.param_groups[0]['lr'] == 0.0125
+
+
+def train(model: nn.Module, opt: KFACOptimizer, seeds: range) -> None:
+    for seed in seeds:
+        opt.zero_grad()
+        loss_of(model, seed).backward()
+        opt.step()
+
+
+def test_state_dict_resume_equals_uninterrupted() -> None:
+    model, opt = build(factor_update_steps=2, inv_update_steps=3)
+    train(model, opt, range(4))
+    buffer = io.BytesIO()
+    torch.save(
+        {'model': model.state_dict(), 'optimizer': opt.state_dict()}, buffer
+    )
+    train(model, opt, range(4, 8))
+    buffer.seek(0)
+    saved = torch.load(buffer, weights_only=True)
+    resumed, resumed_opt = build(factor_update_steps=2, inv_update_steps=3)
+    resumed.load_state_dict(saved['model'])
+    resumed_opt.load_state_dict(saved['optimizer'])
+    assert resumed_opt.preconditioner.steps == 4
+    train(resumed, resumed_opt, range(4, 8))
+    for got, want in zip(
+        resumed.parameters(), model.parameters(), strict=True
+    ):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+def test_load_state_dict_keeps_the_lr_following_the_base_optimizer() -> None:
+    model, opt = build()
+    state = opt.state_dict()
+    state['base_optimizer']['param_groups'][0]['lr'] = 0.3
+    opt.load_state_dict(state)
+    # The base's groups are new dicts now; the preconditioner reads them.
+    opt.param_groups[0]['lr'] = 0.02
+    loss_of(model, 0).backward()
+    opt.step()
+    assert opt.preconditioner.lr == 0.02
+
+
+@pytest.mark.parametrize(
+    'state', [{'state': {}, 'param_groups': []}, [], {'base_optimizer': {}}]
+)
+def test_load_state_dict_refuses_another_format(state: Any) -> None:
+    _, opt = build()
+    with pytest.raises(ValueError, match="'base_optimizer' and"):
+        opt.load_state_dict(state)
+
+
+def test_arguments_are_checked() -> None:
+    model, opt = build()
+    with pytest.raises(TypeError, match='base_optimizer must be'):
+        KFACOptimizer(model, opt.preconditioner)  # type: ignore[arg-type]  # the error tested
+    with pytest.raises(TypeError, match='preconditioner must be'):
+        KFACOptimizer(opt.base_optimizer, model)  # type: ignore[arg-type]  # the error tested
+    with pytest.raises(TypeError, match='already a KFACOptimizer'):
+        KFACOptimizer(opt, opt.preconditioner)
+    other = torch.optim.SGD(nn.Linear(2, 2).parameters(), lr=0.1)
+    with pytest.raises(ValueError, match='fc1, fc2 are in no param group'):
+        KFACOptimizer(other, opt.preconditioner)
+
+
+def test_stepping_the_base_optimizer_directly_is_refused() -> None:
+    model, opt = build()
+    loss_of(model, 0).backward()
+    with pytest.raises(RuntimeError, match='stepped directly, without K-FAC'):
+        opt.base_optimizer.step()
+    opt.remove()
+    opt.base_optimizer.step()  # hooks removed: the base steps alone
+    loss_of(model, 1).backward()
+    opt.step()  # no accumulation check without the hooks
+    assert opt.preconditioner.steps == 1
+
+
+def test_accumulation_must_agree() -> None:
+    model, opt = build(accumulation_steps=2)
+    loss_of(model, 0).backward()
+    with pytest.raises(ValueError, match='1 backward passes since the last'):
+        opt.step()
+    model, opt = build(accumulation_steps=2)
+    for _ in range(2):
+        loss_of(model, 0).backward()
+        loss_of(model, 1).backward()
+        opt.step()
+        opt.zero_grad()
+    assert opt.preconditioner.steps == 2
+
+
+def test_frozen_layers_need_no_count() -> None:
+    model = TinyMLP()
+    precon = KFACPreconditioner(model, damping=0.01)
+    model.fc1.weight.requires_grad_(False)
+    model.fc2.weight.requires_grad_(False)
+    opt = KFACOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), precon)
+    loss_of(model, 0).backward()
+    loss_of(model, 1).backward()  # not counted: no registered weight trains
+    opt.step()
+    assert precon.steps == 1
+
+
+def test_composes_with_muon() -> None:
+    model, opt = build(
+        TinyMLP(bias=False),
+        base=lambda p: torch.optim.Muon(p, lr=0.02, weight_decay=0.0),
+    )
+    before = params(model)
+    train(model, opt, range(2))
+    assert opt.preconditioner.steps == 2
+    assert opt.preconditioner.lr == 0.02
+    assert all(
+        not torch.equal(a, b)
+        for a, b in zip(before, model.parameters(), strict=True)
+    )
+
+
+# Loss scaling ----------------------------------------------------------------
+
+
+def scaled(**options: Any) -> tuple[TinyMLP, KFACOptimizer, Any]:
+    scaler = torch.amp.GradScaler('cpu', init_scale=2.0**10)
+    model, opt = build(
+        grad_scaler=scaler, update_factors_in_hook=False, **options
+    )
+    return model, opt, scaler
+
+
+def scaled_step(
+    model: TinyMLP,
+    opt: KFACOptimizer,
+    scaler: Any,
+    seed: int,
+    *,
+    unscale: bool = False,
+    poison: bool = False,
+) -> None:
+    opt.zero_grad()
+    scaler.scale(loss_of(model, seed)).backward()
+    if poison:
+        assert model.fc1.bias.grad is not None
+        model.fc1.bias.grad[0] = float('inf')
+    if unscale:
+        scaler.unscale_(opt)
+    scaler.step(opt)
+    scaler.update()
+
+
+@pytest.mark.parametrize('unscale', [False, True])
+def test_grad_scaler_equals_unscaled_training(unscale: bool) -> None:
+    model, opt, scaler = scaled()
+    ref, ref_opt = build(copy.deepcopy(model))
+    for seed in range(3):
+        scaled_step(model, opt, scaler, seed, unscale=unscale)
+    train(ref, ref_opt, range(3))
+    assert opt.preconditioner.steps == 3
+    for got, want in zip(model.parameters(), ref.parameters(), strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-7)
+
+
+def test_a_skipped_step_leaves_no_statistics_and_no_count() -> None:
+    model, opt, scaler = scaled(factor_decay=0.5)
+    ref, ref_opt, ref_scaler = scaled(factor_decay=0.5)
+    scaled_step(model, opt, scaler, 0)
+    scaled_step(model, opt, scaler, 1, poison=True)
+    assert opt.preconditioner.steps == 1
+    assert scaler.get_scale() == 2.0**9  # the scaler did skip
+    scaled_step(model, opt, scaler, 2)
+    for seed in (0, 2):
+        scaled_step(ref, ref_opt, ref_scaler, seed)
+    assert opt.preconditioner.steps == ref_opt.preconditioner.steps == 2
+    got = opt.preconditioner.state_dict()['layers']
+    want = ref_opt.preconditioner.state_dict()['layers']
+    for name in ('fc1', 'fc2'):
+        for key in ('A', 'G'):
+            torch.testing.assert_close(
+                got[name][key], want[name][key], rtol=1e-6, atol=0
+            )
+    for a, b in zip(model.parameters(), ref.parameters(), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+
+
+def test_scaled_gradients_cannot_be_preconditioned() -> None:
+    model, opt, scaler = scaled()
+    scaler.scale(loss_of(model, 0)).backward()
+    with pytest.raises(RuntimeError, match='scaled by the grad_scaler'):
+        opt.step()
+    with pytest.raises(RuntimeError, match='stepped directly'):
+        scaler.step(opt.base_optimizer)
+    assert opt.preconditioner.steps == 0
+
+
+def test_a_scaler_the_preconditioner_does_not_know_is_refused() -> None:
+    model, opt = build()
+    scaler = torch.amp.GradScaler('cpu')
+    scaler.scale(loss_of(model, 0)).backward()
+    with pytest.raises(RuntimeError, match='has no grad_scaler'):
+        scaler.step(opt)
+
+
+def test_scaler_needs_factors_outside_the_hooks() -> None:
+    scaler = torch.amp.GradScaler('cpu')
+    with pytest.raises(ValueError, match='update_factors_in_hook=False'):
+        build(grad_scaler=scaler)
+
+
+def test_disabled_or_callable_scalers_step_as_usual() -> None:
+    scaler = torch.amp.GradScaler('cpu', enabled=False)
+    model, opt = build(grad_scaler=scaler, update_factors_in_hook=False)
+    scaler.scale(loss_of(model, 0)).backward()
+    scaler.step(opt)
+    model, opt = build(grad_scaler=lambda: 1.0, update_factors_in_hook=False)
+    loss_of(model, 0).backward()
+    opt.step()
+    assert opt.preconditioner.steps == 1
