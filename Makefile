@@ -17,13 +17,14 @@ STAMP := $(VENV)/.installed
 
 test: $(STAMP) lint typecheck docs pytest
 
-$(STAMP): pyproject.toml requirements-dev.txt
+$(STAMP): pyproject.toml requirements-dev.txt requirements-nodeps.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	# torch first, from TORCH_INDEX if given (see above); the next line's
 	# pin then keeps it (torch==2.13.0 matches 2.13.0+cpu).
 	$(PY) -m pip install --quiet $(TORCH_INDEX_ARG) '$(TORCH_SPEC)'
 	$(PY) -m pip install --quiet -r requirements-dev.txt '$(TORCH_SPEC)'
+	$(PY) -m pip install --quiet --no-deps -r requirements-nodeps.txt
 	$(PY) -m pip install --quiet --no-deps -e .
 	touch $(STAMP)
 

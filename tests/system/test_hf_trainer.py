@@ -1,0 +1,139 @@
+"""`KFACOptimizer` inside the Hugging Face `Trainer` (its defaults:
+`max_grad_norm=1.0`, a linear learning-rate schedule; CPU, a few steps)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import Dataset
+
+from kfac.optimizer import KFACOptimizer
+from kfac.preconditioner import KFACPreconditioner
+from testing.models import TinyMLP
+from testing.models import classification_data
+
+if sys.version_info < (3, 11):  # pragma: no cover - transformers 5 needs 3.11
+    pytest.skip('transformers 5 needs Python 3.11', allow_module_level=True)
+transformers = pytest.importorskip('transformers')
+
+
+class Examples(Dataset[dict[str, torch.Tensor]]):
+    def __init__(self, n: int) -> None:
+        self.x, self.y = classification_data(
+            n, (6,), seed=1, dtype=torch.float32
+        )
+
+    def __len__(self) -> int:
+        return len(self.y)
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        return {'x': self.x[i], 'labels': self.y[i]}
+
+
+class Classifier(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = TinyMLP()
+
+    def forward(
+        self, x: torch.Tensor, labels: torch.Tensor
+    ) -> dict[str, torch.Tensor]:
+        # Scaled so that the Trainer's default clip (1.0) acts.
+        return {'loss': 20 * F.cross_entropy(self.net(x), labels)}
+
+
+def make(
+    model: Classifier, **kfac_options: Any
+) -> tuple[KFACOptimizer, KFACPreconditioner]:
+    base = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    precon = KFACPreconditioner(
+        model.net,
+        damping=0.01,
+        kl_clip_rule='relative',
+        kl_clip=1.0,
+        **kfac_options,
+    )
+    return KFACOptimizer(base, precon), precon
+
+
+def args(root: Path, batch: int = 4, **options: Any) -> Any:
+    return transformers.TrainingArguments(
+        output_dir=str(root),
+        per_device_train_batch_size=batch,
+        learning_rate=0.1,
+        report_to=[],
+        save_strategy='no',
+        use_cpu=True,
+        disable_tqdm=True,
+        dataloader_drop_last=True,
+        **options,
+    )
+
+
+def loop(steps: int) -> Classifier:
+    """The Trainer's step written as a loop: clip to 1.0, step, linear
+    schedule to 0 over `steps` (the oracle). Each step takes the whole
+    data set (the Trainer shuffles it; the loss and K-FAC's factors do not
+    depend on the order of the examples)."""
+    model = Classifier()
+    optimizer, _ = make(model)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda s: (steps - s) / steps
+    )
+    data = Examples(12)
+    for _ in range(steps):
+        optimizer.zero_grad()
+        model(data.x, data.y)['loss'].backward()
+        nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        scheduler.step()
+    return model
+
+
+def test_trainer_with_its_defaults_equals_the_loop(tmp_path: Path) -> None:
+    model = Classifier()
+    optimizer, precon = make(model)
+    trainer = transformers.Trainer(
+        model=model,
+        args=args(tmp_path, batch=12, max_steps=3),
+        train_dataset=Examples(12),
+        optimizers=(optimizer, None),
+    )
+    assert trainer.args.max_grad_norm == 1.0
+    trainer.train()
+    assert precon.steps == 3
+    # Read from the base optimizer: the linear schedule has reached 0.
+    assert precon.lr == 0.0
+    want = loop(3)
+    for got, ref in zip(model.parameters(), want.parameters(), strict=True):
+        torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-6)
+
+
+def test_gradient_accumulation_must_agree(tmp_path: Path) -> None:
+    model = Classifier()
+    optimizer, precon = make(model, accumulation_steps=2)
+    options = {'max_steps': 1, 'gradient_accumulation_steps': 2}
+    transformers.Trainer(
+        model=model,
+        args=args(tmp_path, **options),
+        train_dataset=Examples(8),
+        optimizers=(optimizer, None),
+    ).train()
+    assert precon.steps == 1
+    model = Classifier()
+    optimizer, _ = make(model)
+    trainer = transformers.Trainer(
+        model=model,
+        args=args(tmp_path, **options),
+        train_dataset=Examples(8),
+        optimizers=(optimizer, None),
+    )
+    with pytest.raises(ValueError, match='accumulation_steps=1'):
+        trainer.train()
