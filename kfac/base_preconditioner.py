@@ -26,6 +26,7 @@ from kfac._engine.capture import Capture
 from kfac._engine.capture import GradScalerLike
 from kfac._engine.capture import check_grad_scaler
 from kfac._engine.grad_placement import make_placement
+from kfac._engine.metrics import plot_metrics
 from kfac._engine.phases import ClipMonitor
 from kfac._engine.phases import FactorUpdates
 from kfac._engine.phases import Faults
@@ -243,12 +244,13 @@ class BaseKFACPreconditioner:
         Of the last preconditioned step (None before one): `kl_clip_scale`
         (the clip's `ν`; 1.0 when it did not clip) and `grad_norm_ratio`
         (`‖ν V'‖ / ‖V‖` over all preconditioned layers), read with the
-        step's one host read.
+        step's one host read. To plot: `damping`, per layer `trace_A`,
+        `trace_G` (factor traces) and, with a `timer`, `kfac_time_share`
+        ([`PhaseTimer.share`][kfac.tracing.PhaseTimer.share]).
         """
-        return {
-            **fault_counts(self.counters, self._layers),
-            **self._clips.metrics(),
-        }
+        counts = fault_counts(self.counters, self._layers)
+        metrics = {**counts, **self._clips.metrics()}
+        return plot_metrics(metrics, self._layers, self.damping, self.timer)
 
     def memory_usage(self) -> dict[str, int]:
         """Bytes held by K-FAC on this rank, by kind, and `'total'`.

@@ -55,6 +55,7 @@ class PhaseTimer:
         self.sync = sync
         self.seconds: dict[str, float] = {}
         self.counts: Counter[str] = Counter()
+        self.started = time.perf_counter()
 
     @contextlib.contextmanager
     def phase(self, name: str) -> Iterator[None]:
@@ -72,9 +73,18 @@ class PhaseTimer:
             self.counts[name] += 1
 
     def reset(self) -> None:
-        """Forget all measurements."""
+        """Forget all measurements; `share()` counts from now."""
         self.seconds.clear()
         self.counts.clear()
+        self.started = time.perf_counter()
+
+    def share(self) -> float:
+        """The fraction of wall-clock time since this timer was made (or
+        reset) spent in the timed phases: reset it at the start of a
+        logging interval to get K-FAC's share of that interval's steps.
+        """
+        elapsed = time.perf_counter() - self.started
+        return sum(self.seconds.values()) / elapsed
 
 
 class _Counted(Protocol):
