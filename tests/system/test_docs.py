@@ -56,6 +56,7 @@ PUBLIC_NAMES = [
     'kfac.enums.DistributedStrategy',
     'kfac.scheduler.LambdaParamScheduler',
     'kfac.hyperparams.Hyperparameters',
+    'kfac.optimizer.KFACOptimizer',
 ]
 
 
