@@ -20,7 +20,8 @@ from testing.models import classification_data
 
 if sys.version_info < (3, 11):  # pragma: no cover - transformers 5 needs 3.11
     pytest.skip('transformers 5 needs Python 3.11', allow_module_level=True)
-transformers = pytest.importorskip('transformers')
+pytest.importorskip('transformers')
+import transformers  # after the skips: a test-only dependency
 
 
 class Examples(Dataset[dict[str, torch.Tensor]]):
@@ -64,12 +65,12 @@ def make(
 
 
 def args(root: Path, batch: int = 4, **options: Any) -> Any:
+    options.setdefault('save_strategy', 'no')
     return transformers.TrainingArguments(
         output_dir=str(root),
         per_device_train_batch_size=batch,
         learning_rate=0.1,
         report_to=[],
-        save_strategy='no',
         use_cpu=True,
         disable_tqdm=True,
         dataloader_drop_last=True,
@@ -137,3 +138,51 @@ def test_gradient_accumulation_must_agree(tmp_path: Path) -> None:
     )
     with pytest.raises(ValueError, match='accumulation_steps=1'):
         trainer.train()
+
+
+def test_checkpoint_and_resume_equal_uninterrupted(tmp_path: Path) -> None:
+    def run(
+        steps: int, root: Path, resume: str | None = None
+    ) -> tuple[Classifier, KFACPreconditioner]:
+        model = Classifier()
+        optimizer, precon = make(model)
+        trainer = transformers.Trainer(
+            model=model,
+            args=args(
+                root,
+                batch=12,
+                max_steps=4,
+                save_strategy='steps',
+                save_steps=2,
+                save_only_model=False,
+            ),
+            train_dataset=Examples(12),
+            optimizers=(optimizer, None),
+        )
+        if steps < 4:  # stop after the checkpoint of step 2
+            trainer.add_callback(Stop(steps))
+        trainer.train(resume_from_checkpoint=resume)
+        return model, precon
+
+    whole, _ = run(4, tmp_path / 'whole')
+    run(2, tmp_path / 'half')
+    checkpoint = tmp_path / 'half' / 'checkpoint-2'
+    assert (checkpoint / 'optimizer.pt').exists()
+    resumed, precon = run(4, tmp_path / 'half', resume=str(checkpoint))
+    assert precon.steps == 4  # 2 loaded from optimizer.pt, 2 more
+    for got, want in zip(
+        resumed.parameters(), whole.parameters(), strict=True
+    ):
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-7)
+
+
+class Stop(transformers.TrainerCallback):
+    def __init__(self, steps: int) -> None:
+        self.steps = steps
+
+    def on_step_end(
+        self, args: Any, state: Any, control: Any, **kwargs: Any
+    ) -> Any:
+        if state.global_step >= self.steps:
+            control.should_training_stop = True
+        return control
