@@ -158,3 +158,29 @@ def test_accumulation(tmp_path: Path) -> None:
         trainer(tmp_path, max_epochs=1, accumulate_grad_batches=2).fit(
             Module(accumulation_steps=2), loader(12)
         )
+
+
+class Logging(Module):
+    def on_before_optimizer_step(self, optimizer: Any) -> None:
+        precon = optimizer.preconditioner
+        metrics = precon.metrics()
+        self.log('kfac/damping', metrics['damping'])
+        if metrics['kl_clip_scale'] is not None:
+            self.log('kfac/kl_clip_scale', metrics['kl_clip_scale'])
+        self.log('kfac/fc1/trace_A', metrics['layers']['fc1']['trace_A'])
+
+
+def test_metrics_reach_lightnings_logger(tmp_path: Path) -> None:
+    module = Logging()
+    fit = trainer(tmp_path, max_steps=3)
+    fit.fit(module, loader())
+    logged = fit.callback_metrics
+    assert logged['kfac/damping'].item() == pytest.approx(0.01)
+    # Logged inside the last step, after its backward pass has folded its
+    # statistics into the factors (update_factors_in_hook=True): the
+    # trace the preconditioner reports now.
+    precon = preconditioner(module)
+    assert logged['kfac/fc1/trace_A'].item() == pytest.approx(
+        precon.metrics()['layers']['fc1']['trace_A'], rel=1e-6
+    )
+    assert 0.0 < logged['kfac/kl_clip_scale'].item() <= 1.0
