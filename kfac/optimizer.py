@@ -42,7 +42,6 @@ from collections.abc import Mapping
 from typing import Any
 
 import torch
-from torch.utils.hooks import RemovableHandle
 
 from kfac.base_preconditioner import BaseKFACPreconditioner
 from kfac.hyperparams import OptimizerLR
@@ -126,15 +125,15 @@ class KFACOptimizer(torch.optim.Optimizer):
         self._warned_capturable_if_run_uncaptured = True
         self._in_step = False
         self._backwards = 0
+        self._handles = [base_optimizer.register_step_pre_hook(self._guard)]
+        # Backward passes are counted on one trained registered weight
+        # (its gradient accumulates once per backward pass).
         trained = [w for w in weights.values() if w.requires_grad]
-        self._handles: list[RemovableHandle] = [
-            base_optimizer.register_step_pre_hook(self._guard),
-            *(
-                [trained[0].register_post_accumulate_grad_hook(self._count)]
-                if trained
-                else []
-            ),
-        ]
+        self._counting = bool(trained)
+        self._handles.extend(
+            w.register_post_accumulate_grad_hook(self._count)
+            for w in trained[:1]
+        )
 
     def __repr__(self) -> str:
         return (
@@ -283,7 +282,7 @@ class KFACOptimizer(torch.optim.Optimizer):
 
     def _check_accumulation(self) -> None:
         expected = self.preconditioner.options.accumulation_steps
-        if self._handles[1:] and self._backwards != expected:
+        if self._counting and self._backwards != expected:
             raise ValueError(
                 f'KFACOptimizer: {self._backwards} backward passes since the '
                 f'last step but the preconditioner has accumulation_steps='
@@ -318,3 +317,4 @@ class KFACOptimizer(torch.optim.Optimizer):
         for handle in self._handles:
             handle.remove()
         self._handles = []
+        self._counting = False
