@@ -29,6 +29,7 @@ from kfac._engine.phases import FactorUpdates
 from kfac._engine.phases import Faults
 from kfac._engine.phases import decompose
 from kfac._engine.phases import precondition
+from kfac._engine.scales import ScaleUpdates
 from kfac.assignment import WorkAssignment
 from kfac.distributed import TorchDistributedCommunicator
 from kfac.hyperparams import Hyperparameters
@@ -154,6 +155,9 @@ class BaseKFACPreconditioner:
             phase=self._phase,
             faults=self._faults,
         )
+        self._scales = ScaleUpdates(
+            self._layers, assignment, self.communicator, bucketed, self._phase
+        )
         self.timer: PhaseTimer | None = None
         """Set a [`PhaseTimer`][kfac.tracing.PhaseTimer] to time the
         step's phases."""
@@ -205,9 +209,7 @@ class BaseKFACPreconditioner:
 
     # Hyperparameters and state ---------------------------------------------
 
-    def hyperparameter_values(
-        self,
-    ) -> HyperparameterValues:
+    def hyperparameter_values(self) -> HyperparameterValues:
         """The hyperparameters' values at the current step (resolved once
         per step; a schedule's value is validated then).
         """
@@ -252,10 +254,9 @@ class BaseKFACPreconditioner:
         self._values = None
 
     def metrics(self) -> dict[str, Any]:
-        """Fault counters: totals and per layer.
-
-        `nonfinite_statistics_steps`: factor updates discarded because a
-        statistic was NaN/Inf on some rank. Per layer (and summed):
+        """Fault counters, totals and per layer: `nonfinite_statistics_steps`
+        (factor updates discarded because a
+        statistic was NaN/Inf on some rank); per layer (and summed):
         `decomposition_retries` (float64 or jitter attempts that
         succeeded), `decomposition_failures` (all attempts failed),
         `unpreconditioned_steps` (raw gradient used for lack of a
@@ -268,7 +269,8 @@ class BaseKFACPreconditioner:
 
         Kinds: `a_factors`, `g_factors`, `a_batch`, `g_batch` (captured
         statistics or activations not yet folded in), `a_inverses`,
-        `g_inverses` (decompositions held here) and `grad`.
+        `g_inverses` (decompositions held here), `grad`; EKFAC's `scale`
+        and `example_rows`.
         """
         return memory_totals(self._layers.values())
 
@@ -283,9 +285,7 @@ class BaseKFACPreconditioner:
         )
 
     def load_state_dict(
-        self,
-        state_dict: Mapping[str, Any],
-        strict: bool = True,
+        self, state_dict: Mapping[str, Any], strict: bool = True
     ) -> None:
         """Load `state_dict()` output; inverses are recomputed where needed.
 
@@ -302,7 +302,7 @@ class BaseKFACPreconditioner:
         saved, recompute, restored = load_layers(
             state_dict,
             self._layers,
-            self.assignment.is_grad_worker,
+            self.assignment.holds_decomposition,
             strict=strict,
         )
         self.reset_batch()
@@ -337,10 +337,13 @@ class BaseKFACPreconditioner:
             return
         self._capture.follow_modules()
         values = self.hyperparameter_values()
-        if self._steps % values.factor_update_steps == 0:
+        factors = self._steps % values.factor_update_steps == 0
+        if factors:
             self._update_factors()
         if self._steps % values.inv_update_steps == 0:
-            self._update_decompositions(values.damping)
+            self._scales.restart(self._update_decompositions(values.damping))
+        if factors:  # EKFAC: in the bases in force from now on
+            self._scales.update(values.factor_decay, values.damping)
         precondition(
             self._placement,
             self._active(),
@@ -360,30 +363,27 @@ class BaseKFACPreconditioner:
 
     def _update_decompositions(
         self, damping: float, names: Iterable[str] | None = None
-    ) -> None:
-        """Decompose factors on their inverse workers; broadcast them.
-
-        Every rank calls this for the same `names` (default: all layers).
+    ) -> list[str]:
+        """Decompose factors on their inverse workers, broadcast them and
+        return the layers decomposed. Every rank calls this for the same
+        `names` (default: all layers).
         """
-        self._decomposed.update(
-            decompose(
-                self._layers,
-                self._layers if names is None else names,
-                self.assignment,
-                self.communicator,
-                damping,
-                phase=self._phase,
-                log_once=self._log_once,
-            )
+        done = decompose(
+            self._layers,
+            self._layers if names is None else names,
+            self.assignment,
+            self.communicator,
+            damping,
+            phase=self._phase,
+            log_once=self._log_once,
         )
+        self._decomposed.update(done)
+        return done
 
     def _active(self) -> list[str]:
         """Layers with a decomposition and a gradient, in layer order."""
-        return [
-            name
-            for name, layer in self._layers.items()
-            if name in self._decomposed and layer.has_grad
-        ]
+        done = self._decomposed
+        return [n for n, x in self._layers.items() if n in done and x.has_grad]
 
     # Housekeeping ------------------------------------------------------------
 

@@ -9,18 +9,21 @@ dicts, so `torch.load(path, weights_only=True)` reads it:
 
 ```python
 {
-    'version': 2,
+    'version': 3,
     'steps': int,
     'hyperparameters': {name: value},   # the non-callable ones
     'layers': {module name: {'A': tensor, 'G': tensor}},  # (n, n) or (n,)
     # a tied layer: {'<use>:A': ..., '<use>:G': ...} per use instead
+    # an EKFAC layer: also 'S', its scaling, shaped like the gradient
     'decompositions': {                 # optional
         module name: {'format': str, 'A': [tensor, ...], 'G': [...]},
     },
 }
 ```
 
-Factors are what a run cannot recompute. A diagonal factor (the `A` of an
+Factors, and the running statistics kept beside them (EKFAC's scaling `S`,
+identical on every rank like the factors), are what a run cannot
+recompute. A diagonal factor (the `A` of an
 embedding) is saved as its diagonal, shape `(n,)`. Decompositions are saved too
 (for the layers whose decompositions this rank holds) so that a resumed
 run uses exactly the decompositions the uninterrupted run would have used
@@ -41,14 +44,17 @@ from typing import TypedDict
 
 import torch
 
-STATE_VERSION = 2
+STATE_VERSION = 3
 """The format version written by this version of kfac."""
 
-READABLE_VERSIONS = (1, 2)
+READABLE_VERSIONS = (1, 2, 3)
 """The format versions this version of kfac loads. Version 2 adds the
 per-use factors of a weight tied in transposed roles (`'<module>:A'`,
-`'<module>:G'`, see [`kfac.layers.tied`][kfac.layers.tied]); a version 1
-state is a version 2 state without them, loaded as it is."""
+`'<module>:G'`, see [`kfac.layers.tied`][kfac.layers.tied]); version 3
+adds EKFAC's scaling `'S'` to a layer's entries (see
+[`kfac.layers.ekfac`][kfac.layers.ekfac]). An older state is a newer one
+without them, loaded as it is (an EKFAC layer without `'S'` starts its
+scaling afresh at its next factor update)."""
 
 FACTOR_KEYS = ('A', 'G')
 """The factor entries of a layer."""
@@ -95,6 +101,10 @@ class SavedLayer:
     """The running factors that exist, by name (`'A'`, `'G'`)."""
     decomposition: SavedDecomposition | None = None
     """Its decomposition, if saved (and, when parsed, compatible)."""
+    statistics: Mapping[str, torch.Tensor] = dataclasses.field(
+        default_factory=dict
+    )
+    """Other running statistics that exist, by name (EKFAC's `'S'`)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -123,6 +133,10 @@ class LayerSpec:
     """Factor name to the shapes of its decomposition's tensors."""
     diagonal_factors: frozenset[str] = frozenset()
     """The factors kept as their diagonal (shape `(n,)`, not `(n, n)`)."""
+    statistic_shapes: Mapping[str, tuple[int, ...]] = dataclasses.field(
+        default_factory=dict
+    )
+    """Other running statistics, by name, and their shapes."""
 
 
 def serialize_state(
@@ -133,7 +147,8 @@ def serialize_state(
     decompositions: dict[str, DecompositionEntry] = {}
     for name, layer in state.layers.items():
         layers[name] = {
-            key: value.detach().clone() for key, value in layer.factors.items()
+            key: value.detach().clone()
+            for key, value in {**layer.factors, **layer.statistics}.items()
         }
         saved = layer.decomposition
         if include_decompositions and saved is not None:
@@ -199,11 +214,15 @@ def _layer_problems(
             continue
         for key, tensor in entry.items():
             spec = specs[name]
-            if key not in spec.factor_dims:
+            if key in spec.statistic_shapes:
+                expected = tuple(spec.statistic_shapes[key])
+            elif key in spec.factor_dims:
+                dim = spec.factor_dims[key]
+                diagonal = key in spec.diagonal_factors
+                expected = (dim,) if diagonal else (dim, dim)
+            else:
                 problems.append(f'unexpected entry layers.{name}.{key}')
                 continue
-            dim = spec.factor_dims[key]
-            expected = (dim,) if key in spec.diagonal_factors else (dim, dim)
             shape = tuple(getattr(tensor, 'shape', ()))
             if not isinstance(tensor, torch.Tensor) or shape != expected:
                 problems.append(
@@ -274,8 +293,15 @@ def parse_state(
         decompositions = {}
     layers = {
         name: SavedLayer(
-            factors=dict(saved[name]),
+            factors={
+                k: v for k, v in saved[name].items() if k in spec.factor_dims
+            },
             decomposition=_decomposition(spec, decompositions.get(name)),
+            statistics={
+                k: v
+                for k, v in saved[name].items()
+                if k in spec.statistic_shapes
+            },
         )
         for name, spec in specs.items()
         if name in saved

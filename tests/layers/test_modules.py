@@ -263,9 +263,9 @@ def test_conv_factors_in_small_blocks_equal_definition(
     padding_mode: Literal['zeros', 'reflect', 'circular'],
 ) -> None:
     """Building patches a few examples at a time gives the same sums."""
-    from kfac.layers import modules
+    from kfac.layers import conv as conv_module
 
-    monkeypatch.setattr(modules, 'PATCH_BLOCK_ELEMENTS', block_elements)
+    monkeypatch.setattr(conv_module, 'PATCH_BLOCK_ELEMENTS', block_elements)
     torch.manual_seed(3)
     conv = nn.Conv2d(
         2, 3, 3, stride=2, padding=1, padding_mode=padding_mode
