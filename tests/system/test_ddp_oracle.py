@@ -1,7 +1,8 @@
 """The distributed oracle: W ranks with N/W examples each equal one process.
 
 For every world size 1-4, every valid KAISA strategy, both compute methods,
-bucketing on and off and symmetry-aware packing on and off, a few DDP
+bucketing on and off and symmetry-aware packing on and off (and EKFAC under
+each strategy, see ``ekfac_configuration``), a few DDP
 training steps must give parameters equal on all ranks and equal to one
 process trained on the whole batch (float64, relative difference < 1e-9).
 One launch per world size loops over all configurations; the single-process
@@ -34,6 +35,7 @@ from testing.asserts import WORST
 from testing.ddp import compare_ranks
 from testing.ddp import flat_params
 from testing.distributed import run_distributed
+from testing.models import PooledCNN
 from testing.models import TinyCNN
 from testing.models import classification_data
 
@@ -78,7 +80,39 @@ def configurations(world_size: int) -> list[dict[str, Any]]:
                 'lr': 0.1,
             },
         )
+    for strategy in STRATEGIES:
+        if (
+            strategy == 'hybrid_opt'
+            and world_size > 1
+            and 0.5 not in fractions
+        ):
+            continue
+        configs.append(ekfac_configuration(strategy))
+    warm = {**ekfac_configuration('mem_opt'), 'basis_refresh': 'qr'}
+    configs.append({**warm, 'compute_method': 'eigen'})
     return configs
+
+
+def ekfac_configuration(strategy: str) -> dict[str, Any]:
+    """EKFAC under `strategy` (its bases on every rank, `S` averaged over
+    all): COMM-OPT with a decomposition on a step without a factor update
+    (the eigenvalues stand in for `S`), MEM-OPT unbucketed with `S + λ`
+    formed each step, HYBRID-OPT with warm-started bases. These train
+    `PooledCNN`, whose factors have full rank (see `fresh_model`).
+    """
+    return {
+        'grad_worker_fraction': strategy,
+        'compute_method': 'ekfac',
+        'allreduce_bucket_cap_mb': 0.0 if strategy == 'mem_opt' else 25.0,
+        'compute_eigenvalue_outer_product': strategy != 'mem_opt',
+        'basis_refresh': 'qr' if strategy == 'hybrid_opt' else 'eigh',
+        'factor_update_steps': 2 if strategy == 'comm_opt' else 1,
+        'inv_update_steps': 1 if strategy == 'comm_opt' else 2,
+        'colocate_factors': strategy != 'mem_opt',
+        'damping': 0.01,
+        'kl_clip': 0.01,
+        'lr': 0.1,
+    }
 
 
 def rank_device(device_type: str, rank: int) -> torch.device:
@@ -112,9 +146,17 @@ def train(
         optimizer.step()
 
 
-def fresh_model(device: torch.device) -> nn.Module:
+def fresh_model(device: torch.device, config: dict[str, Any]) -> nn.Module:
+    """`TinyCNN`, or `PooledCNN` for EKFAC and warm-started bases: they
+    depend on the eigenvectors chosen inside a repeated eigenvalue (the
+    null space of `TinyCNN`'s 49-wide head input factor, of rank 36 after
+    three steps), which follow rounding, so one process and W ranks (whose
+    factors are averaged in another order) would choose differently.
+    """
     torch.manual_seed(1234)
-    return TinyCNN().to(device, torch.float64)
+    special = config['compute_method'] == 'ekfac' or 'basis_refresh' in config
+    model = PooledCNN() if special else TinyCNN()
+    return model.to(device, torch.float64)
 
 
 def ddp_body(world_size: int, out_dir: str, device_type: str) -> None:
@@ -125,7 +167,7 @@ def ddp_body(world_size: int, out_dir: str, device_type: str) -> None:
     )
     results = {}
     for index, config in enumerate(configurations(world_size)):
-        model = fresh_model(device)
+        model = fresh_model(device, config)
         train(model, config, rank, world_size)
         across, versus = compare_ranks(model, expected[index])
         results[json.dumps(config)] = (across, versus)
@@ -152,7 +194,7 @@ def test_ddp_equals_single_process(
             )
     expected = []
     for config in configurations(world_size):
-        model = fresh_model(device)
+        model = fresh_model(device, config)
         train(model, config, 0, 1)
         expected.append(flat_params(model).cpu())
     torch.save(expected, tmp_path / 'expected.pt')
