@@ -48,6 +48,7 @@ STEPS = 2
 _OCCURRENCES = {
     'factor_allreduce': 2,
     'decomposition_broadcast': 1,
+    'scale_allreduce': 2,
     'grad_broadcast': 2,
 }
 
@@ -95,7 +96,12 @@ def cases(world_size: int) -> list[Case]:
     fractions = ['comm_opt', 'mem_opt']
     if world_size % 2 == 0:
         fractions.append('hybrid_opt')
-    methods = [('eigen', True), ('eigen', False), ('inverse', False)]
+    methods = [
+        ('eigen', True),
+        ('eigen', False),
+        ('inverse', False),
+        ('ekfac', True),
+    ]
     found = [
         Case(fraction, CommConfig(method, prediv, packed))
         for fraction in fractions
