@@ -169,6 +169,14 @@ def test_rows_are_kept_for_one_factor_update() -> None:
     assert ekfac.memory_usage()['example_rows'] == 0
 
 
+def test_a_pass_without_calls_is_not_kept() -> None:
+    ekfac = layer()
+    ekfac.add_examples(0)
+    factor_update(ekfac, 0)
+    assert ekfac.examples is not None
+    assert len(ekfac.examples.take()) == 1
+
+
 def test_no_scale_without_bases() -> None:
     ekfac = layer()
     capture(ekfac, *batch(0))

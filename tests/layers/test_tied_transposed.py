@@ -21,6 +21,7 @@ from kfac.layers.register import register_model
 from kfac.layers.tied import KFACTiedEigenLayer
 from kfac.layers.tied import TiedHelper
 from kfac.preconditioner import KFACPreconditioner
+from kfac.state import STATE_VERSION
 from testing.asserts import assert_rel_close
 from testing.reference import eigen_reference
 from testing.reference import inverse_reference
@@ -243,7 +244,7 @@ def test_report_state_and_refusals() -> None:
     _loss(model(idx), y).backward()
     precon.step()
     state = precon.state_dict()
-    assert state['version'] == 2
+    assert state['version'] == STATE_VERSION
     assert set(state['layers']['wte']) == {
         'wte:A',
         'wte:G',

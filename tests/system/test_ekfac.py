@@ -231,6 +231,49 @@ def test_embedding_and_tied_head(
     assert seen == set(wholes)
     if max_factor_dim is not None:
         assert len(precon.registration.blocks) > 1
+    usage = precon.memory_usage()  # S and the kept 1 / (S + λ), float64
+    assert usage['scale'] == sum(16 * v[0].numel() for v in wholes.values())
+
+
+def test_grouped_convolution() -> None:
+    """Each group is a layer of its own: its rows of `V_n`."""
+    torch.manual_seed(9)
+    model = nn.Sequential(
+        nn.Conv2d(4, 4, 3, groups=2), nn.Flatten(), nn.Linear(16, C)
+    ).double()
+    x, y = classification_data(N, (4, 4, 4))
+    grads = per_example_grads(model, F.cross_entropy, x, y)
+    precon = one_step(model, F.cross_entropy, x, y)
+    v = weight_grads(grads, '0')
+    for group in (0, 1):
+        rows = slice(2 * group, 2 * group + 2)
+        check_scale(
+            precon, f'0.group{group}', v[:, rows], N, 'EKFAC S: groups'
+        )
+
+
+def test_sequence_first_embedding_and_linear() -> None:
+    """`batch_first=False`: examples are the second dimension."""
+    torch.manual_seed(10)
+    model = TokenNet(tied=False).double()
+    x = torch.randint(0, VOCAB, (N, T))
+    y = torch.randint(0, VOCAB, (N, T))
+    grads = per_example_grads(model, token_loss, x, y)
+    precon = KFACPreconditioner(
+        model, compute_method='ekfac', kl_clip=None, batch_first=False
+    )
+    token_loss(model(x.T), y.T).backward()
+    precon.step()
+    wholes = {
+        'emb': grads['emb.weight'].transpose(1, 2),
+        'mix': weight_grads(grads, 'mix'),
+        'head': weight_grads(grads, 'head'),
+    }
+    for name, v in wholes.items():
+        check_scale(precon, name, v, N, 'EKFAC S: sequence first')
+    usage = precon.memory_usage()  # S and the kept 1 / (S + λ), float64
+    assert usage['scale'] == sum(16 * v[0].numel() for v in wholes.values())
+    assert usage['example_rows'] == 0  # handed over in the step
 
 
 def test_attention_projections() -> None:
