@@ -16,7 +16,9 @@ F64 = torch.float64
 
 def orthogonal(n: int, seed: int) -> torch.Tensor:
     gen = torch.Generator().manual_seed(seed)
-    q, _ = torch.linalg.qr(torch.randn(n, n, generator=gen, dtype=F64))
+    q: torch.Tensor = torch.linalg.qr(
+        torch.randn(n, n, generator=gen, dtype=F64)
+    ).Q
     return q
 
 
@@ -27,12 +29,11 @@ def rows(*shape: int, seed: int) -> torch.Tensor:
 
 def per_example(g: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
     """`Σ_t g_{n,t} a_{n,t}ᵀ` by a loop, `(N, out, in)`."""
-    return torch.stack(
-        [
-            sum(torch.outer(gt, at) for gt, at in zip(gn, an))
-            for gn, an in zip(g, a)
-        ]  # type: ignore[misc]
-    )
+    out = torch.zeros(g.shape[0], g.shape[2], a.shape[2], dtype=g.dtype)
+    for n in range(g.shape[0]):
+        for t in range(g.shape[1]):
+            out[n] += torch.outer(g[n, t], a[n, t])
+    return out
 
 
 @pytest.mark.parametrize(

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from kfac.layers.base import KFACBaseLayer
 from kfac.layers.eigen import WARM_START_STEPS
 from kfac.layers.eigen import KFACEigenLayer
 from kfac.math import subspace_iteration
@@ -76,22 +77,26 @@ def test_qr_refresh_starts_from_the_previous_basis(prediv: bool) -> None:
         layer.update_factors(0.9)
         for name in ('A', 'G'):
             assert layer.compute_decomposition(name, 0.1)
+
+    def basis(layer: KFACBaseLayer, name: str) -> torch.Tensor:
+        tensors = layer.factor(name).decomposition
+        assert tensors is not None
+        return tensors[0]
+
     for name in ('A', 'G'):
-        assert torch.equal(
-            qr.factor(name).decomposition[0],
-            eigh.factor(name).decomposition[0],
-        )  # type: ignore[index]
+        assert torch.equal(basis(qr, name), basis(eigh, name))
     torch.manual_seed(5)
     x, gout = torch.randn(6, 4, dtype=F64), torch.randn(6, 3, dtype=F64)
     qr.save_layer_input(x, now=True)
     qr.save_layer_grad_output(gout, now=True)
     qr.update_factors(0.5)
-    previous = {n: qr.factor(n).decomposition[0] for n in ('A', 'G')}  # type: ignore[index]
+    previous = {n: basis(qr, n) for n in ('A', 'G')}
     for name in ('A', 'G'):
         assert qr.compute_decomposition(name, 0.1)
         value = qr.factor(name).value
         assert value is not None
         q, d = subspace_iteration(value, previous[name], WARM_START_STEPS)
-        assert torch.equal(qr.factor(name).decomposition[0], q)  # type: ignore[index]
+        assert torch.equal(basis(qr, name), q)
     if not prediv:
-        assert torch.equal(qr.g.decomposition[1], d)  # type: ignore[index]
+        assert qr.g.decomposition is not None
+        assert torch.equal(qr.g.decomposition[1], d)

@@ -6,6 +6,7 @@ is in tests/system/test_ekfac.py).
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import pytest
 import torch
@@ -40,11 +41,11 @@ def batch(seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     return x, gout
 
 
-def layer(**kwargs: object) -> KFACEKFACLayer:
+def layer(**kwargs: Any) -> KFACEKFACLayer:
     torch.manual_seed(0)
     return KFACEKFACLayer(
         LinearModuleHelper(nn.Linear(4, 3).double()), **kwargs
-    )  # type: ignore[arg-type]
+    )
 
 
 def factor_update(ekfac: KFACEigenLayer, seed: int) -> None:

@@ -14,6 +14,8 @@ rank.
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -57,7 +59,7 @@ class ConvNet(nn.Module):
 
 
 def ours(
-    model: nn.Module, x: torch.Tensor, y: torch.Tensor, **kw: object
+    model: nn.Module, x: torch.Tensor, y: torch.Tensor, **kw: Any
 ) -> dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
     """`(Q_A, Q_G, S)` of every layer after one step on `(x, y)`."""
     precon = KFACPreconditioner(

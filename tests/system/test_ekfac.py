@@ -12,6 +12,7 @@ inverse applied to ``V``.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import pytest
 import torch
@@ -96,7 +97,7 @@ def one_step(
     loss: Loss,
     x: torch.Tensor,
     y: torch.Tensor,
-    **kw: object,
+    **kw: Any,
 ) -> KFACPreconditioner:
     precon = KFACPreconditioner(
         model, compute_method='ekfac', kl_clip=None, **kw
