@@ -252,9 +252,16 @@ class KFACEKFACLayer(KFACEigenLayer):
         return {} if self.scale is None else {SCALE_KEY: self.scale}
 
     def load_saved_state(self, saved: SavedLayer, keep: bool) -> bool:
-        """As for any layer, and `S` (None when not saved)."""
+        """As for any layer, and `S` (None when not saved). `S` belongs to
+        the bases it was estimated in: without saved decompositions it is
+        kept under `basis_refresh='eigh'` (recomputed from the same
+        factors, they are the same bases) and restarted under `'qr'`
+        (whose bases depended on the ones before).
+        """
         restored = super().load_saved_state(saved, keep)
         scale = saved.statistics.get(SCALE_KEY)
+        if not restored and self.basis_refresh != 'eigh':
+            scale = None
         self.scale = (
             None
             if scale is None

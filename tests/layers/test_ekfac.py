@@ -199,6 +199,16 @@ def test_scale_is_saved_and_loaded() -> None:
     assert torch.equal(other.scale, s)  # type: ignore[arg-type]
     other.load_saved_state(SavedLayer(saved.factors), keep=True)
     assert other.scale is None
+    # without the bases S was estimated in: kept where recomputing them
+    # gives the same bases (eigh), restarted where not (qr)
+    bare = SavedLayer(saved.factors, None, saved.statistics)
+    assert not other.load_saved_state(bare, keep=True)
+    assert torch.equal(other.scale, s)  # type: ignore[arg-type]
+    warm = layer(basis_refresh='qr')
+    assert not warm.load_saved_state(bare, keep=True)
+    assert warm.scale is None
+    assert warm.load_saved_state(saved, keep=True)
+    assert torch.equal(warm.scale, s)  # type: ignore[arg-type]
 
 
 def test_scale_follows_the_module() -> None:

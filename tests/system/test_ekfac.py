@@ -139,13 +139,17 @@ def check_scale(
     assert_rel_close(layer.scale, expected, rtol=RTOL, label=label)
 
 
+@pytest.mark.parametrize('in_hook', [True, False])
 @pytest.mark.parametrize('bias', [True, False])
-def test_linear(bias: bool) -> None:
+def test_linear(bias: bool, in_hook: bool) -> None:
+    """With statistics formed in the hooks or at the step alike."""
     torch.manual_seed(0)
     model = TinyMLP(bias=bias).double()
     x, y = classification_data(N, (6,))
     grads = per_example_grads(model, F.cross_entropy, x, y)
-    precon = one_step(model, F.cross_entropy, x, y)
+    precon = one_step(
+        model, F.cross_entropy, x, y, update_factors_in_hook=in_hook
+    )
     for name in ('fc1', 'fc2'):
         v = weight_grads(grads, name)
         check_scale(precon, name, v, N, 'EKFAC S: linear')
