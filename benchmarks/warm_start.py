@@ -16,8 +16,8 @@ a full ``eigh``, and what it saves:
   relative error of EIGEN's preconditioned gradient (both factors warm,
   the workload's damping) against ``eigh``'s;
 * **cost**, on the factor sides of ResNet-50 and BERT-Large
-  (`benchmarks.shapes`, up to ``--max-side``): seconds of ``eigh`` and of
-  one and two QR steps in float32 on one thread, best of three, on a
+  (`benchmarks.shapes`, up to ``--max-side``): CPU seconds of ``eigh`` and
+  of one and two QR steps in float32 on one thread, best of three, on a
   random positive semi-definite matrix.
 
 One thread (``torch.set_num_threads(1)``); writes
@@ -85,20 +85,26 @@ def snapshots(name: str, steps: int, every: int = 20) -> list[Snapshot]:
     return found
 
 
-def _top(q: torch.Tensor, d: torch.Tensor, share: float) -> torch.Tensor:
-    """The eigenvectors of the largest eigenvalues holding `share` of the
-    trace.
+def _top_count(d: torch.Tensor, share: float) -> int:
+    """How many of the largest eigenvalues hold `share` of the trace."""
+    ordered = torch.sort(d, descending=True).values
+    cumulative = torch.cumsum(ordered, 0) / d.sum().clamp(min=1e-300)
+    return int((cumulative < share).sum()) + 1
+
+
+def _sine(
+    warm: tuple[torch.Tensor, torch.Tensor],
+    exact: tuple[torch.Tensor, torch.Tensor],
+    share: float = 0.9,
+) -> float:
+    """Sine of the largest principal angle between the spans of the `k`
+    leading eigenvectors of each (`k`: those of `eigh` holding `share` of
+    the trace), each ordered by its own eigenvalues.
     """
-    order = torch.argsort(d, descending=True)
-    cumulative = torch.cumsum(d[order], 0) / d.sum().clamp(min=1e-300)
-    k = int((cumulative < share).sum()) + 1
-    return q[:, order[:k]]
-
-
-def _sine(x: torch.Tensor, y: torch.Tensor) -> float:
-    """Sine of the largest principal angle between two column spans."""
-    if x.shape[1] != y.shape[1]:
-        return 1.0
+    k = _top_count(exact[1], share)
+    x, y = (
+        q[:, torch.argsort(d, descending=True)[:k]] for q, d in (warm, exact)
+    )
     cosines = torch.linalg.svdvals(x.T @ y)
     return float((1 - cosines.min().clamp(max=1.0) ** 2).clamp(min=0).sqrt())
 
@@ -135,9 +141,7 @@ def _chain(
                     q, d = warm[key]
                     err = float((q @ torch.diag(d) @ q.T - f).norm()) / norm
                     metrics['factor'].append(err)
-                    metrics['sine'].append(
-                        _sine(_top(q, d, 0.9), _top(*exact[key], 0.9))
-                    )
+                    metrics['sine'].append(_sine(warm[key], exact[key]))
                 previous[(name, key)] = warm[key][0]
             if index:
                 want = _precondition(exact, v, damping)
@@ -174,11 +178,14 @@ def accuracy(names: Sequence[str], steps: int) -> dict[str, Any]:
 
 
 def _best(fn: Any, repeats: int = 3) -> float:
+    """Least CPU seconds of `repeats` calls (one thread: the time other
+    processes hold the core is not counted).
+    """
     times = []
     for _ in range(repeats):
-        began = time.perf_counter()
+        began = time.process_time()
         fn()
-        times.append(time.perf_counter() - began)
+        times.append(time.process_time() - began)
     return min(times)
 
 

@@ -53,7 +53,8 @@ A basis refresh by
 [`subspace_iteration`][kfac.math.ekfac.subspace_iteration] starts from the
 previous eigenbasis, ordered by its Rayleigh quotients (largest first), and
 takes a few steps of orthogonal (QR) iteration, `Q ← qr(F Q)`, instead of a
-full `eigh`: two `n × n` products and one QR per step, which converges to
+full `eigh`: one `n × n` product and one QR per step (and one more product
+for the Rayleigh quotients), which converges to
 the eigenvectors of `F` when started anywhere (at the rate of the ratios of
 neighbouring eigenvalues) and in a few steps from the basis of a factor
 that changed a little. The eigenvalues are re-estimated in the new basis as
@@ -268,9 +269,12 @@ def subspace_iteration(
     if steps < 1:
         raise ValueError(f'steps must be at least 1; got {steps}')
     q = basis.to(factor.dtype)
-    quotients = torch.einsum('ij,ik,kj->j', q, factor, q)
-    q = q[:, torch.argsort(quotients, descending=True)]
-    for _ in range(steps):
-        q, _ = torch.linalg.qr(factor @ q)
-    d = torch.einsum('ij,ik,kj->j', q, factor, q)
+    product = factor @ q  # the quotients' product is the first step's
+    quotients = (q * product).sum(dim=0)
+    product = product[:, torch.argsort(quotients, descending=True)]
+    for step in range(steps):
+        if step:
+            product = factor @ q
+        q, _ = torch.linalg.qr(product)
+    d = (q * (factor @ q)).sum(dim=0)
     return q.contiguous(), d.clamp_(min=0.0)
