@@ -48,6 +48,7 @@ STEPS = 2
 _OCCURRENCES = {
     'factor_allreduce': 2,
     'decomposition_broadcast': 1,
+    'scale_allreduce': 2,
     'grad_broadcast': 2,
 }
 
@@ -89,8 +90,8 @@ class Case:
 
 
 def cases(world_size: int) -> list[Case]:
-    """Every strategy valid at ``world_size``, method and packing, and the
-    unbucketed allreduce.
+    """Every strategy valid at ``world_size``, method and packing, EKFAC
+    under each strategy, and the unbucketed allreduce.
     """
     fractions = ['comm_opt', 'mem_opt']
     if world_size % 2 == 0:
@@ -102,6 +103,8 @@ def cases(world_size: int) -> list[Case]:
         for method, prediv in methods
         for packed in (False, True)
     ]
+    # EKFAC: its bases to every rank and S's allreduce, with packed factors.
+    found += [Case(f, CommConfig('ekfac', True, True)) for f in fractions]
     # Unbucketed, and a 2 KiB cap: fc's A (4.6 KiB packed) travels alone.
     for cap in (0.0, 2 / 1024):
         comm = CommConfig('inverse', symmetry_aware=True, bucket_cap_mb=cap)

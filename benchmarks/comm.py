@@ -16,7 +16,17 @@ asks the communicator for:
   n``) and the eigenvalues (``n``) per factor, or, with
   ``compute_eigenvalue_outer_product``, ``Q_A`` alone and ``Q_G`` with the
   ``g x a`` matrix ``1 / (d_G d_Aᵀ + λ)``; never packed (not symmetric).
-  Inverse: one symmetric ``n x n`` inverse per factor, packable.
+  Inverse: one symmetric ``n x n`` inverse per factor, packable. EKFAC:
+  ``Q`` and the eigenvalues per factor (its ``1 / (S + λ)`` is formed where
+  ``S`` is updated), broadcast to *every* rank whatever the fraction: each
+  rank estimates the scaling from its own examples. Every rank takes part
+  in every EKFAC layer's broadcasts (there are some whenever the world has
+  more than one rank).
+* **EKFAC's scaling** (every factor-update step, more than one rank): each
+  layer's batch ``S``, shaped like its ``g x a`` gradient, allreduced over
+  the world after the decompositions, bucketed like the factors but never
+  packed (not symmetric), and no health allreduce (a non-finite ``S``
+  becomes non-finite on every rank, which each handles alike).
 * **gradients** (every step, when a layer has fewer gradient workers than
   ranks): each layer's preconditioned ``g x a`` gradient is broadcast over
   every gradient-receiver group, from the group's member among the layer's
@@ -61,7 +71,12 @@ __all__ = [
 #: Bytes of the health allreduce that follows each factor allreduce.
 HEALTH_BYTES = 4
 #: The communicating phases, as :mod:`kfac.tracing` names them.
-COMM_PHASES = ('factor_allreduce', 'decomposition_broadcast', 'grad_broadcast')
+COMM_PHASES = (
+    'factor_allreduce',
+    'decomposition_broadcast',
+    'scale_allreduce',
+    'grad_broadcast',
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,8 +84,9 @@ class CommConfig:
     """The preconditioner options that decide what travels.
 
     Attributes:
-        method: ``'eigen'`` or ``'inverse'``.
-        prediv: ``compute_eigenvalue_outer_product`` (eigen only).
+        method: ``'eigen'``, ``'inverse'`` or ``'ekfac'``.
+        prediv: ``compute_eigenvalue_outer_product`` (what travels changes
+            for eigen only).
         symmetry_aware: symmetric matrices travel as packed triangles.
         itemsize: bytes per element of factors, decompositions, gradients.
         bucket_cap_mb: ``allreduce_bucket_cap_mb`` (0: no bucketing).
@@ -101,7 +117,7 @@ def decomposition_payloads(
     n = layer.a_dim if factor == 'A' else layer.g_dim
     if config.method == 'inverse':
         return [_square(n, config.symmetry_aware)]
-    if not config.prediv:
+    if not config.prediv or config.method == 'ekfac':
         return [n * n, n]
     return [n * n] if factor == 'A' else [n * n, layer.grad_numel]
 
@@ -144,15 +160,21 @@ def counted(
     payloads = [e * size for x in layers for e in factor_payloads(x, config)]
     calls = bucket_count(payloads, config.bucket_cap_mb)
     result['factor_allreduce'] = (sum(payloads) + HEALTH_BYTES, calls + 1)
-    if plan.grad_workers > 1:
+    ekfac = config.method == 'ekfac'
+    if plan.grad_workers > 1 or ekfac:
         sent = [
             e * size
             for x in layers
-            if rank in plan.grad_worker_groups[plan.layer_groups[x.name]]
+            if ekfac
+            or rank in plan.grad_worker_groups[plan.layer_groups[x.name]]
             for f in ('A', 'G')
             for e in decomposition_payloads(x, f, config)
         ]
         result['decomposition_broadcast'] = (sum(sent), len(sent))
+    if ekfac:  # in model order: the reverse of the factors'
+        scales = [x.grad_numel * size for x in reversed(layers)]
+        calls = bucket_count(scales, config.bucket_cap_mb)
+        result['scale_allreduce'] = (sum(scales), calls)
     if plan.grad_workers < plan.world_size:
         grads = [x.grad_numel * size for x in layers]
         result['grad_broadcast'] = (sum(grads), len(grads))
@@ -192,10 +214,17 @@ def traffic(
     nbytes = total * config.itemsize + HEALTH_BYTES
     ring = 2.0 * (world - 1) / world * nbytes
     result['factor_allreduce'] = (zeros + ring, zeros + ring)
-    if plan.grad_workers > 1:
+    ekfac = config.method == 'ekfac'
+    if ekfac:
+        scales = sum(x.grad_numel for x in layers) * config.itemsize
+        ring = 2.0 * (world - 1) / world * scales
+        result['scale_allreduce'] = (zeros + ring, zeros + ring)
+    if plan.grad_workers > 1 or ekfac:
         sent, recv = result['decomposition_broadcast']
         for x in layers:
             group = plan.grad_worker_groups[plan.layer_groups[x.name]]
+            if ekfac:  # to every rank
+                group = tuple(range(world))
             for f in ('A', 'G'):
                 nbytes = sum(decomposition_payloads(x, f, config))
                 root = plan.inv_workers[x.name][f]

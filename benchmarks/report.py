@@ -265,6 +265,7 @@ def _bytes(result: Mapping[str, Any]) -> str:
                                 'eigen',
                                 'eigen packed',
                                 'inverse packed',
+                                'ekfac',
                             )
                         ),
                     ]
@@ -282,6 +283,7 @@ def _bytes(result: Mapping[str, Any]) -> str:
         'per step, eigen',
         'per step, eigen packed',
         'per step, inverse packed',
+        'per step, ekfac',
     ]
     return _table(header, rows)
 

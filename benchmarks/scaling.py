@@ -45,6 +45,7 @@ FRACTIONS = ('comm_opt', 'hybrid_opt', 'mem_opt')
 AMORTISED = {
     'factor_allreduce': 1 / 10,
     'decomposition_broadcast': 1 / 100,
+    'scale_allreduce': 1 / 10,
     'grad_broadcast': 1.0,
 }
 COMM_CONFIGS = {
@@ -52,6 +53,7 @@ COMM_CONFIGS = {
     'eigen packed': CommConfig('eigen', symmetry_aware=True),
     'inverse': CommConfig('inverse'),
     'inverse packed': CommConfig('inverse', symmetry_aware=True),
+    'ekfac': CommConfig('ekfac'),
 }
 
 

@@ -208,6 +208,8 @@ def build_kfac(
         loss_average='batch+sequence',
         kfac_approx=args.kfac_approx,
         skip_layers=args.kfac_skip_layers,
+        compute_method=args.kfac_compute_method,
+        basis_refresh=args.kfac_basis_refresh,
     )
 
 

@@ -216,6 +216,17 @@ def add_kfac_args(
         help='grad_worker_fraction: comm_opt, hybrid_opt, mem_opt or a float',
     )
     g.add_argument('--kfac-skip-layers', nargs='*', default=[], help='regexes')
+    g.add_argument(
+        '--kfac-compute-method',
+        choices=['eigen', 'inverse', 'ekfac'],
+        default='eigen',
+    )
+    g.add_argument(
+        '--kfac-basis-refresh',
+        choices=['eigh', 'qr'],
+        default='eigh',
+        help='qr: warm-started eigenbases (eigen and ekfac)',
+    )
 
 
 def milestone_lambda(
@@ -259,6 +270,8 @@ def build_kfac(
         grad_worker_fraction=strategy,
         grad_scaler=precision.scaler,
         skip_layers=args.kfac_skip_layers,
+        compute_method=args.kfac_compute_method,
+        basis_refresh=args.kfac_basis_refresh,
     )
     growth = milestone_lambda(
         args.kfac_interval_growth_epochs,

@@ -13,6 +13,7 @@ live process group.
 from __future__ import annotations
 
 import abc
+from collections.abc import Iterable
 from collections.abc import Mapping
 from typing import TYPE_CHECKING
 from typing import TypeAlias
@@ -58,7 +59,9 @@ class WorkAssignment(abc.ABC):
 
     @abc.abstractmethod
     def broadcast_inverses(self) -> bool:
-        """Whether decompositions go from inverse to gradient workers."""
+        """Whether decompositions go from inverse workers to the ranks
+        that hold them (gradient workers; every rank for shared bases).
+        """
 
     @abc.abstractmethod
     def get_layers(self) -> tuple[str, ...]:
@@ -76,6 +79,12 @@ class WorkAssignment(abc.ABC):
     def is_grad_worker(self, layer: str) -> bool:
         """Whether the local rank preconditions the gradient of `layer`."""
 
+    def holds_decomposition(self, layer: str) -> bool:
+        """Whether the local rank holds the decompositions of `layer`
+        (receives them, keeps them, loads them): its gradient workers, here.
+        """
+        return self.is_grad_worker(layer)
+
     @abc.abstractmethod
     def src_grad_worker(self, layer: str) -> int:
         """Rank the local rank gets the preconditioned gradient from.
@@ -85,7 +94,9 @@ class WorkAssignment(abc.ABC):
 
     @abc.abstractmethod
     def factor_group(self, layer: str, factor: str) -> ProcessGroup | None:
-        """Group over which the decomposition of `factor` is broadcast."""
+        """Group over which the decomposition of `factor` is broadcast: the
+        ranks that hold it (see `holds_decomposition`).
+        """
 
     @abc.abstractmethod
     def grad_worker_group(self, layer: str) -> ProcessGroup | None:
@@ -129,7 +140,9 @@ class KAISAAssignment(WorkAssignment):
     Layer `L` placed in worker group `k` has group `k` as its gradient
     workers; its decompositions are broadcast over group `k`; the local rank
     `r` receives its preconditioned gradient from group `k`'s member at
-    position `r % gw`, over receiver group `r % gw`.
+    position `r % gw`, over receiver group `r % gw`. A layer of
+    `shared_bases` (see [`kfac.placement`][kfac.placement]) has its
+    decompositions broadcast over the default group (every rank).
 
     `group_func` is called once per gradient-worker group, then once per
     gradient-receiver group, in rank order and on every rank (as
@@ -153,6 +166,8 @@ class KAISAAssignment(WorkAssignment):
             defaults to
             [`default_group_func`][kfac.assignment.default_group_func].
         colocate_factors: decompose all factors of a layer on one rank.
+        shared_bases: layers whose decompositions every rank holds
+            (EKFAC's).
 
     Raises:
         TypeError: an argument has the wrong type.
@@ -169,6 +184,7 @@ class KAISAAssignment(WorkAssignment):
         grad_worker_fraction: float | DistributedStrategy | str,
         group_func: GroupFunc | None = None,
         colocate_factors: bool = True,
+        shared_bases: Iterable[str] = (),
     ) -> None:
         size = validate_int('world_size', world_size)
         if not is_int(local_rank):
@@ -187,6 +203,7 @@ class KAISAAssignment(WorkAssignment):
                 grad_worker_fraction, size
             ),
             colocate_factors=colocate_factors,
+            shared_bases=shared_bases,
         )
         make = default_group_func(size) if group_func is None else group_func
         # One call per group, worker groups first, identical on every rank.
@@ -224,7 +241,9 @@ class KAISAAssignment(WorkAssignment):
         return self._plan.grad_workers < self._plan.world_size
 
     def broadcast_inverses(self) -> bool:  # noqa: D102
-        return self._plan.grad_workers > 1
+        plan = self._plan
+        shared = plan.world_size > 1 and bool(plan.shared_bases)
+        return plan.grad_workers > 1 or shared
 
     def get_layers(self) -> tuple[str, ...]:  # noqa: D102
         return tuple(self._plan.inv_workers)
@@ -245,12 +264,21 @@ class KAISAAssignment(WorkAssignment):
     def is_grad_worker(self, layer: str) -> bool:  # noqa: D102
         return self._rank in self._plan.grad_worker_groups[self._group(layer)]
 
+    def holds_decomposition(self, layer: str) -> bool:
+        """Whether the local rank holds the decompositions of `layer`: its
+        gradient workers, and every rank for a layer of `shared_bases`.
+        """
+        shared = layer in self._plan.shared_bases
+        return shared or self.is_grad_worker(layer)
+
     def src_grad_worker(self, layer: str) -> int:  # noqa: D102
         group = self._plan.grad_worker_groups[self._group(layer)]
         return group[self._rank % self._plan.grad_workers]
 
     def factor_group(self, layer: str, factor: str) -> _Group:  # noqa: D102
         self.inv_worker(layer, factor)
+        if layer in self._plan.shared_bases:
+            return None  # every rank: the default group
         return self.grad_worker_group(layer)
 
     def grad_worker_group(self, layer: str) -> _Group:  # noqa: D102

@@ -32,6 +32,9 @@ from kfac._engine.phases import FactorUpdates
 from kfac._engine.phases import Faults
 from kfac._engine.phases import decompose
 from kfac._engine.phases import precondition
+from kfac._engine.saving import load_layers
+from kfac._engine.saving import save_layers
+from kfac._engine.scales import ScaleUpdates
 from kfac.assignment import WorkAssignment
 from kfac.config import EngineOptions
 from kfac.distributed import TorchDistributedCommunicator
@@ -39,8 +42,6 @@ from kfac.hyperparams import Hyperparameters
 from kfac.hyperparams import HyperparameterValues
 from kfac.layers.base import KFACBaseLayer
 from kfac.state import StateDict
-from kfac.state import load_layers
-from kfac.state import save_layers
 from kfac.tracing import PhaseTimer
 from kfac.tracing import fault_counts
 from kfac.tracing import memory_totals
@@ -141,6 +142,13 @@ class BaseKFACPreconditioner:
             faults=self._faults,
         )
         self._clips = ClipMonitor(self._faults)
+        self._scales = ScaleUpdates(
+            self._layers,
+            assignment,
+            self.communicator,
+            self.options.bucketed,
+            self._phase,
+        )
         self.timer: PhaseTimer | None = None
         """Set a [`PhaseTimer`][kfac.tracing.PhaseTimer] to time the
         step's phases."""
@@ -182,11 +190,8 @@ class BaseKFACPreconditioner:
         return contextlib.nullcontext() if timer is None else timer.phase(name)
 
     def _on_captured(self, name: str) -> None:
-        # Capture reports a layer once per step: its tally and our set of
-        # finished layers are reset together at every factor update.
+        # Capture reports a layer once per step (reset at factor updates).
         self._factors.finish(name, self.factor_decay, self._steps)
-
-    # Hyperparameters and state ---------------------------------------------
 
     def hyperparameter_values(self) -> HyperparameterValues:
         """The hyperparameters' values at the current step (resolved once
@@ -233,10 +238,9 @@ class BaseKFACPreconditioner:
         self._values = None
 
     def metrics(self) -> dict[str, Any]:
-        """Fault counters: totals and per layer.
-
-        `nonfinite_statistics_steps`: factor updates discarded because a
-        statistic was NaN/Inf on some rank. Per layer (and summed):
+        """Fault counters, totals and per layer: `nonfinite_statistics_steps`
+        (factor updates discarded because a
+        statistic was NaN/Inf on some rank); per layer (and summed):
         `decomposition_retries` (float64 or jitter attempts that
         succeeded), `decomposition_failures` (all attempts failed),
         `unpreconditioned_steps` (raw gradient used for lack of a
@@ -248,8 +252,8 @@ class BaseKFACPreconditioner:
         `trace_G` (factor traces) and, with a `timer`, `kfac_time_share`
         ([`PhaseTimer.share`][kfac.tracing.PhaseTimer.share]).
         """
-        counts = fault_counts(self.counters, self._layers)
-        metrics = {**counts, **self._clips.metrics()}
+        metrics = fault_counts(self.counters, self._layers)
+        metrics.update(self._clips.metrics())
         return plot_metrics(metrics, self._layers, self.damping, self.timer)
 
     def memory_usage(self) -> dict[str, int]:
@@ -257,7 +261,8 @@ class BaseKFACPreconditioner:
 
         Kinds: `a_factors`, `g_factors`, `a_batch`, `g_batch` (captured
         statistics or activations not yet folded in), `a_inverses`,
-        `g_inverses` (decompositions held here) and `grad`.
+        `g_inverses` (decompositions held here), `grad`; EKFAC's `scale`
+        and `example_rows`.
         """
         return memory_totals(self._layers.values())
 
@@ -273,9 +278,7 @@ class BaseKFACPreconditioner:
         )
 
     def load_state_dict(
-        self,
-        state_dict: Mapping[str, Any],
-        strict: bool = True,
+        self, state_dict: Mapping[str, Any], strict: bool = True
     ) -> None:
         """Load `state_dict()` output; inverses are recomputed where needed.
 
@@ -292,7 +295,7 @@ class BaseKFACPreconditioner:
         saved, recompute, restored = load_layers(
             state_dict,
             self._layers,
-            self.assignment.is_grad_worker,
+            self.assignment.holds_decomposition,
             strict=strict,
         )
         self.reset_batch()
@@ -307,8 +310,6 @@ class BaseKFACPreconditioner:
         )
         self._decomposed = set(restored)
         self._update_decompositions(self.damping, recompute)
-
-    # The step --------------------------------------------------------------
 
     def step(self) -> None:
         """Precondition the gradients of the registered layers.
@@ -332,10 +333,13 @@ class BaseKFACPreconditioner:
         self._capture.follow_modules()
         self._values = None  # read the optimizer's learning rate now
         values = self.hyperparameter_values()
-        if self._steps % values.factor_update_steps == 0:
+        factors = self._steps % values.factor_update_steps == 0
+        if factors:
             self._update_factors()
         if self._steps % values.inv_update_steps == 0:
-            self._update_decompositions(values.damping)
+            self._scales.restart(self._update_decompositions(values.damping))
+        if factors:  # EKFAC: in the bases in force from now on
+            self._scales.update(values.factor_decay, values.damping)
         precondition(
             self._placement,
             self._active(),
@@ -357,32 +361,27 @@ class BaseKFACPreconditioner:
 
     def _update_decompositions(
         self, damping: float, names: Iterable[str] | None = None
-    ) -> None:
-        """Decompose factors on their inverse workers; broadcast them.
-
-        Every rank calls this for the same `names` (default: all layers).
+    ) -> list[str]:
+        """Decompose factors on their inverse workers, broadcast them and
+        return the layers decomposed. Every rank calls this for the same
+        `names` (default: all layers).
         """
-        self._decomposed.update(
-            decompose(
-                self._layers,
-                self._layers if names is None else names,
-                self.assignment,
-                self.communicator,
-                damping,
-                phase=self._phase,
-                log_once=self._log_once,
-            )
+        done = decompose(
+            self._layers,
+            self._layers if names is None else names,
+            self.assignment,
+            self.communicator,
+            damping,
+            phase=self._phase,
+            log_once=self._log_once,
         )
+        self._decomposed.update(done)
+        return done
 
     def _active(self) -> list[str]:
         """Layers with a decomposition and a gradient, in layer order."""
-        return [
-            name
-            for name, layer in self._layers.items()
-            if name in self._decomposed and layer.has_grad
-        ]
-
-    # Housekeeping ------------------------------------------------------------
+        done = self._decomposed
+        return [n for n, x in self._layers.items() if n in done and x.has_grad]
 
     def reset_batch(self) -> None:
         """Drop the statistics captured since the last factor update."""

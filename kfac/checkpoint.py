@@ -17,8 +17,8 @@ flattened to one level of keys (DCP saves every tensor and value under
 its key; non-tensor values are pickled):
 
 * `version`, `steps`, `hyperparameters.<name>`, `options.<name>` and
-  `factors.<layer>.<A|G>`: the same on every rank (factors are
-  allreduced), so DCP writes each once;
+  `factors.<layer>.<A|G|S>`: the same on every rank (factors and EKFAC's
+  scaling `S` are allreduced), so DCP writes each once;
 * `decompositions.<layer>.format` and `decompositions.<layer>.<A|G>.<i>`:
   written by the ranks that hold that layer's decomposition. Every rank
   that holds one holds the same tensors (they were computed on one rank
@@ -27,7 +27,7 @@ its key; non-tensor values are pickled):
 
 [`load_dcp`][kfac.checkpoint.load_dcp] reads the checkpoint's metadata,
 loads the factors and the decompositions this rank needs (those of the
-layers it is a gradient worker for under the loading preconditioner's
+layers it holds decompositions of under the loading preconditioner's
 assignment, which may differ from the saving one's: another world size or
 gradient-worker fraction), and applies them with `load_state_dict`. A
 resume at the same world size is therefore bitwise exact, and at another
@@ -96,7 +96,7 @@ def unflatten_state(flat: Mapping[str, Any]) -> dict[str, Any]:
             state['hyperparameters'][key[len(_HYPERPARAMETERS) :]] = value
         elif key.startswith(_OPTIONS):
             state.setdefault('options', {})[key[len(_OPTIONS) :]] = value
-        elif key.startswith(_FACTORS) and key[-2:] in ('.A', '.G'):
+        elif key.startswith(_FACTORS) and key[-2:] in ('.A', '.G', '.S'):
             name = key[len(_FACTORS) : -2]
             state['layers'].setdefault(name, {})[key[-1]] = value
         elif key.startswith(_DECOMPOSITIONS) and key.endswith('.format'):
@@ -204,4 +204,6 @@ def _decomposition_layer(name: str) -> str | None:
 
 
 def _needs(precon: BaseKFACPreconditioner, layer: str) -> bool:
-    return layer in precon.layers and precon.assignment.is_grad_worker(layer)
+    return layer in precon.layers and precon.assignment.holds_decomposition(
+        layer
+    )

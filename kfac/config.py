@@ -22,6 +22,7 @@ from kfac.enums import AssignmentStrategy
 from kfac.enums import ComputeMethod
 from kfac.enums import DistributedStrategy
 from kfac.enums import parse_enum
+from kfac.layers.eigen import BASIS_REFRESHES
 from kfac.layers.options import DEFAULT_MAX_FACTOR_DIM
 from kfac.layers.options import KFAC_APPROXIMATIONS
 from kfac.layers.options import check_module_options
@@ -67,9 +68,10 @@ class KFACConfig:
 
     Raises:
         TypeError: a field has the wrong type.
-        ValueError: a field has a disallowed value, or EIGEN's
+        ValueError: a field has a disallowed value, EIGEN's
             `compute_eigenvalue_outer_product` is asked for without
-            `colocate_factors`.
+            `colocate_factors`, or `basis_refresh='qr'` with INVERSE (which
+            has no eigenbasis).
 
     Examples:
         >>> KFACConfig(compute_method='Inverse').compute_method
@@ -97,6 +99,7 @@ class KFACConfig:
     max_factor_dim: int | None = DEFAULT_MAX_FACTOR_DIM
     shard_mode: str = 'lossless'
     kl_clip_rule: str = 'kl'
+    basis_refresh: str = 'eigh'
 
     def __post_init__(self) -> None:
         checked = {
@@ -140,6 +143,9 @@ class KFACConfig:
             'kl_clip_rule': check_choice(
                 'kl_clip_rule', self.kl_clip_rule, KL_CLIP_RULES
             ),
+            'basis_refresh': check_choice(
+                'basis_refresh', self.basis_refresh, BASIS_REFRESHES
+            ),
             'module_options': {
                 pattern: dict(options)
                 for pattern, options in check_module_options(
@@ -165,6 +171,15 @@ class KFACConfig:
             raise ValueError(
                 'compute_eigenvalue_outer_product=True needs '
                 'colocate_factors=True (both eigendecompositions on one rank)',
+            )
+        if (
+            self.compute_method is ComputeMethod.INVERSE
+            and self.basis_refresh != 'eigh'
+        ):
+            raise ValueError(
+                f'basis_refresh={self.basis_refresh!r} refreshes eigenbases: '
+                "it needs compute_method='eigen' or 'ekfac'; INVERSE has "
+                "none (leave basis_refresh='eigh')",
             )
 
 

@@ -49,10 +49,16 @@ class AssignmentStrategy(_ChoiceEnum):
 
 
 class ComputeMethod(_ChoiceEnum):
-    """Second-order method used to precondition gradients."""
+    """Second-order method used to precondition gradients.
+
+    `EIGEN`: eigendecompositions of the factors, exact damping; `INVERSE`:
+    damped inverses of the factors; `EKFAC`: EIGEN's eigenbases with the
+    scaling re-estimated from each example's gradient (George et al., 2018).
+    """
 
     EIGEN = 'eigen'
     INVERSE = 'inverse'
+    EKFAC = 'ekfac'
 
 
 class DistributedStrategy(_ChoiceEnum):

@@ -25,6 +25,11 @@ fraction `gw / W` picks a point on the grid:
 * HYBRID-OPT (any fraction in between, 0.5 by name): both broadcasts, each
   over smaller groups.
 
+A layer listed in `shared_bases` (EKFAC's: each rank estimates the scaling
+from its own examples, in the layer's eigenbases) has its decompositions
+broadcast from its inverse workers to every rank instead of its gradient
+workers alone, whatever the fraction.
+
 [`plan_kaisa`][kfac.placement.plan_kaisa] is deterministic, so every rank
 computes the same plan without communicating; nothing here needs
 `torch.distributed`. [`KAISAAssignment`][kfac.assignment.KAISAAssignment]
@@ -35,6 +40,7 @@ from __future__ import annotations
 
 import dataclasses
 import types
+from collections.abc import Iterable
 from collections.abc import Mapping
 from collections.abc import Sequence
 
@@ -74,6 +80,7 @@ class KAISAPlan:
             the ranks `r` with `r % gw == j`, e.g. `((0, 2), (1, 3))`.
         inv_workers: layer -> factor -> inverse worker, in the given order.
         layer_groups: layer -> index of its group in `grad_worker_groups`.
+        shared_bases: the layers whose decompositions every rank holds.
 
     """
 
@@ -83,6 +90,7 @@ class KAISAPlan:
     grad_receiver_groups: tuple[tuple[int, ...], ...]
     inv_workers: Mapping[str, Mapping[str, int]]
     layer_groups: Mapping[str, int]
+    shared_bases: frozenset[str] = frozenset()
 
     def __post_init__(self) -> None:
         proxy = types.MappingProxyType
@@ -279,6 +287,7 @@ def plan_kaisa(
     world_size: int,
     grad_workers: int,
     colocate_factors: bool,
+    shared_bases: Iterable[str] = (),
 ) -> KAISAPlan:
     """Place every factor's decomposition on a rank, KAISA style.
 
@@ -294,6 +303,8 @@ def plan_kaisa(
         world_size: number of ranks `W`.
         grad_workers: gradient workers per layer; must divide `W`.
         colocate_factors: keep all factors of a layer on one rank.
+        shared_bases: layers of `work` whose decompositions go to every
+            rank (EKFAC's); placed like the others.
 
     Returns:
         The plan, a pure function of the arguments (no randomness, no
@@ -327,6 +338,11 @@ def plan_kaisa(
         tuple(range(start, start + workers))
         for start in range(0, size, workers)
     )
+    shared = frozenset(shared_bases)
+    if unknown := sorted(shared - checked.keys()):
+        raise ValueError(
+            f'shared_bases names layers that are not in work: {unknown}'
+        )
     placed, layer_groups = _place(checked, worker_groups, colocate_factors)
     return KAISAPlan(
         world_size=size,
@@ -337,4 +353,5 @@ def plan_kaisa(
         ),
         inv_workers=placed,
         layer_groups=layer_groups,
+        shared_bases=shared,
     )

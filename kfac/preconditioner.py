@@ -35,6 +35,7 @@ from kfac.hyperparams import check_optimizers
 from kfac.layers.attention import convert_attention
 from kfac.layers.base import KFACBaseLayer
 from kfac.layers.eigen import KFACEigenLayer
+from kfac.layers.ekfac import KFACEKFACLayer
 from kfac.layers.helper import ModuleHelper
 from kfac.layers.inverse import KFACInverseLayer
 from kfac.layers.options import DEFAULT_MAX_FACTOR_DIM
@@ -42,6 +43,7 @@ from kfac.layers.options import ModuleOptions
 from kfac.layers.register import Registration
 from kfac.layers.register import register_model
 from kfac.layers.tied import KFACTiedEigenLayer
+from kfac.layers.tied import KFACTiedEKFACLayer
 from kfac.layers.tied import KFACTiedInverseLayer
 from kfac.layers.tied import TiedHelper
 from kfac.validation import check_instance
@@ -59,12 +61,20 @@ def _unwrap(model: nn.Module) -> nn.Module:
     return model
 
 
+_EIGENBASES = {
+    ComputeMethod.EIGEN: (KFACEigenLayer, KFACTiedEigenLayer),
+    ComputeMethod.EKFAC: (KFACEKFACLayer, KFACTiedEKFACLayer),
+}
+
+
 def _make_layer(helper: ModuleHelper, config: KFACConfig) -> KFACBaseLayer:
     tied = isinstance(helper, TiedHelper)
-    if config.compute_method is ComputeMethod.EIGEN:
-        return (KFACTiedEigenLayer if tied else KFACEigenLayer)(
+    if config.compute_method in _EIGENBASES:
+        kinds = _EIGENBASES[ComputeMethod(config.compute_method)]
+        return kinds[tied](
             helper,
             prediv_eigenvalues=config.compute_eigenvalue_outer_product,
+            basis_refresh=config.basis_refresh,
             factor_dtype=config.factor_dtype,
             inv_dtype=config.inv_dtype,
             loss_average=config.loss_average,
@@ -94,7 +104,8 @@ class KFACPreconditioner(BaseKFACPreconditioner):
         factor_update_steps: steps between factor updates.
         inv_update_steps: steps between decompositions.
         damping: `λ` (EIGEN: added to the Kronecker product exactly;
-            INVERSE: split between the factors with the π correction).
+            EKFAC: added to the scaling `S`; INVERSE: split between the
+            factors with the π correction).
         factor_decay: `ξ` in (0, 1] of the factors' running average.
         kl_clip: `κ` of the clip (its meaning per `kl_clip_rule`), or
             None to disable it.
@@ -108,9 +119,13 @@ class KFACPreconditioner(BaseKFACPreconditioner):
             0 disables bucketing.
         assignment_strategy: cost model balancing inverse workers.
         colocate_factors: decompose a layer's two factors on one rank.
-        compute_method: `'eigen'` or `'inverse'`.
-        compute_eigenvalue_outer_product: EIGEN only: precompute
-            `1 / (d_G d_Aᵀ + λ)` at decomposition time.
+        compute_method: `'eigen'`, `'inverse'` or `'ekfac'` (EIGEN's
+            eigenbases with the scaling re-estimated from each example's
+            gradient on every factor update; see
+            [`kfac.layers.ekfac`][kfac.layers.ekfac]).
+        compute_eigenvalue_outer_product: EIGEN: precompute
+            `1 / (d_G d_Aᵀ + λ)` at decomposition time; EKFAC: keep
+            `1 / (S + λ)` from each update of `S`; INVERSE: unused.
         grad_worker_fraction: fraction of ranks that precondition each
             layer's gradient: a float or a
             [`DistributedStrategy`][kfac.enums.DistributedStrategy].
@@ -163,6 +178,10 @@ class KFACPreconditioner(BaseKFACPreconditioner):
             gradient is at most `κ` times as long as the raw one, so the
             step always scales with the learning rate); the formulas are in
             [`kfac.math`][kfac.math].
+        basis_refresh: how EIGEN and EKFAC refresh their eigenbases:
+            `'eigh'` (a full eigendecomposition) or `'qr'` (a few steps of
+            orthogonal iteration from the previous basis; see
+            [`kfac.layers.eigen`][kfac.layers.eigen]).
 
     Every hyperparameter (`factor_update_steps` to `lr`) may also be a
     callable `step -> value`.
@@ -201,6 +220,7 @@ class KFACPreconditioner(BaseKFACPreconditioner):
         shard_mode: str = 'lossless',
         optimizer: OptimizerLike | None = None,
         kl_clip_rule: str = 'kl',
+        basis_refresh: str = 'eigh',
     ) -> None:
         check_instance('model', model, nn.Module, 'a torch.nn.Module')
         hyperparameters = Hyperparameters(
@@ -238,6 +258,7 @@ class KFACPreconditioner(BaseKFACPreconditioner):
             max_factor_dim=max_factor_dim,
             shard_mode=shard_mode,
             kl_clip_rule=kl_clip_rule,
+            basis_refresh=basis_refresh,
         )
         check_model(_unwrap(model))
         self.config = config
@@ -259,6 +280,7 @@ class KFACPreconditioner(BaseKFACPreconditioner):
             world_size=get_world_size(),
             grad_worker_fraction=config.grad_worker_fraction,
             colocate_factors=config.colocate_factors,
+            shared_bases=[n for n, x in layers.items() if x.bases_everywhere],
         )
         if optimizers is not None:
             hyperparameters = hyperparameters.replace(

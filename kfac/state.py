@@ -15,13 +15,16 @@ dicts, so `torch.load(path, weights_only=True)` reads it:
     'options': {'kl_clip_rule': 'kl' or 'relative'},
     'layers': {module name: {'A': tensor, 'G': tensor}},  # (n, n) or (n,)
     # a tied layer: {'<use>:A': ..., '<use>:G': ...} per use instead
+    # an EKFAC layer: also 'S', its scaling, shaped like the gradient
     'decompositions': {                 # optional
         module name: {'format': str, 'A': [tensor, ...], 'G': [...]},
     },
 }
 ```
 
-Factors are what a run cannot recompute. A diagonal factor (the `A` of an
+Factors, and the running statistics kept beside them (EKFAC's scaling `S`,
+identical on every rank like the factors), are what a run cannot
+recompute. A diagonal factor (the `A` of an
 embedding) is saved as its diagonal, shape `(n,)`. Decompositions are saved too
 (for the layers whose decompositions this rank holds) so that a resumed
 run uses exactly the decompositions the uninterrupted run would have used
@@ -35,9 +38,7 @@ and keeps a loader for the previous version (see `CHANGELOG.md`).
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
 from collections.abc import Mapping
-from typing import Protocol
 from typing import TypedDict
 
 import torch
@@ -51,9 +52,12 @@ READABLE_VERSIONS = (1, 2, 3)
 """The format versions this version of kfac loads. Version 2 adds the
 per-use factors of a weight tied in transposed roles (`'<module>:A'`,
 `'<module>:G'`, see [`kfac.layers.tied`][kfac.layers.tied]); version 3
-the engine's `'options'` (the clip rule). An older state is a newer one
-without what was added, loaded as it is: a state without `'options'`
-loads with `kl_clip_rule='kl'`, the only rule before version 3."""
+the engine's `'options'` (the clip rule) and EKFAC's scaling `'S'` in a
+layer's entries (see [`kfac.layers.ekfac`][kfac.layers.ekfac]). An older
+state is a newer one without what was added, loaded as it is: a state
+without `'options'` loads with `kl_clip_rule='kl'`, the only rule before
+version 3, and an EKFAC layer without `'S'` starts its scaling afresh at
+its next factor update."""
 
 FACTOR_KEYS = ('A', 'G')
 """The factor entries of a layer."""
@@ -104,6 +108,10 @@ class SavedLayer:
     """The running factors that exist, by name (`'A'`, `'G'`)."""
     decomposition: SavedDecomposition | None = None
     """Its decomposition, if saved (and, when parsed, compatible)."""
+    statistics: Mapping[str, torch.Tensor] = dataclasses.field(
+        default_factory=dict
+    )
+    """Other running statistics that exist, by name (EKFAC's `'S'`)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -135,6 +143,10 @@ class LayerSpec:
     """Factor name to the shapes of its decomposition's tensors."""
     diagonal_factors: frozenset[str] = frozenset()
     """The factors kept as their diagonal (shape `(n,)`, not `(n, n)`)."""
+    statistic_shapes: Mapping[str, tuple[int, ...]] = dataclasses.field(
+        default_factory=dict
+    )
+    """Other running statistics, by name, and their shapes."""
 
 
 def serialize_state(
@@ -145,7 +157,8 @@ def serialize_state(
     decompositions: dict[str, DecompositionEntry] = {}
     for name, layer in state.layers.items():
         layers[name] = {
-            key: value.detach().clone() for key, value in layer.factors.items()
+            key: value.detach().clone()
+            for key, value in {**layer.factors, **layer.statistics}.items()
         }
         saved = layer.decomposition
         if include_decompositions and saved is not None:
@@ -212,11 +225,15 @@ def _layer_problems(
             continue
         for key, tensor in entry.items():
             spec = specs[name]
-            if key not in spec.factor_dims:
+            if key in spec.statistic_shapes:
+                expected = tuple(spec.statistic_shapes[key])
+            elif key in spec.factor_dims:
+                dim = spec.factor_dims[key]
+                diagonal = key in spec.diagonal_factors
+                expected = (dim,) if diagonal else (dim, dim)
+            else:
                 problems.append(f'unexpected entry layers.{name}.{key}')
                 continue
-            dim = spec.factor_dims[key]
-            expected = (dim,) if key in spec.diagonal_factors else (dim, dim)
             shape = tuple(getattr(tensor, 'shape', ()))
             if not isinstance(tensor, torch.Tensor) or shape != expected:
                 problems.append(
@@ -287,8 +304,15 @@ def parse_state(
         decompositions = {}
     layers = {
         name: SavedLayer(
-            factors=dict(saved[name]),
+            factors={
+                k: v for k, v in saved[name].items() if k in spec.factor_dims
+            },
             decomposition=_decomposition(spec, decompositions.get(name)),
+            statistics={
+                k: v
+                for k, v in saved[name].items()
+                if k in spec.statistic_shapes
+            },
         )
         for name, spec in specs.items()
         if name in saved
@@ -319,80 +343,3 @@ def _options(options: object) -> dict[str, str]:
             f'{rule!r}; allowed: {", ".join(KL_CLIP_RULES)}',
         )
     return dict(options)
-
-
-class StatefulLayer(Protocol):
-    """What [`save_layers`][kfac.state.save_layers] and
-    [`load_layers`][kfac.state.load_layers] need of a layer (a
-    [`KFACBaseLayer`][kfac.layers.base.KFACBaseLayer] has it).
-    """
-
-    @property
-    def has_factors(self) -> bool:  # noqa: D102
-        ...
-
-    def state_spec(self) -> LayerSpec:  # noqa: D102
-        ...
-
-    def saved_state(self, include_decompositions: bool) -> SavedLayer:  # noqa: D102
-        ...
-
-    def load_saved_state(self, saved: SavedLayer, keep: bool) -> bool:  # noqa: D102
-        ...
-
-
-def save_layers(
-    steps: int,
-    hyperparameters: Mapping[str, float | int | None],
-    layers: Mapping[str, StatefulLayer],
-    *,
-    options: Mapping[str, str],
-    include_decompositions: bool,
-) -> StateDict:
-    """The state of a preconditioner at `steps` with these constant
-    hyperparameters, engine options and layers, each saving its own.
-    """
-    saved = {
-        name: layer.saved_state(include_decompositions)
-        for name, layer in layers.items()
-    }
-    return serialize_state(
-        SavedState(steps, dict(hyperparameters), saved, dict(options)),
-        include_decompositions=include_decompositions,
-    )
-
-
-def load_layers(
-    state: object,
-    layers: Mapping[str, StatefulLayer],
-    keep: Callable[[str], bool],
-    *,
-    strict: bool,
-) -> tuple[SavedState, list[str], list[str]]:
-    """Check `state` against `layers`, then load each layer's part.
-
-    Args:
-        state: what `state_dict()` returned.
-        layers: the loading preconditioner's layers.
-        keep: whether this rank keeps a layer's saved decompositions (it
-            is a gradient worker of that layer).
-        strict: missing or unexpected layers are errors.
-
-    Returns:
-        The parsed state; the layers whose decompositions must be
-        recomputed (none saved); those whose saved ones were restored.
-
-    Raises:
-        TypeError, ValueError: see
-            [`parse_state`][kfac.state.parse_state]; nothing is loaded then.
-    """
-    specs = {name: layer.state_spec() for name, layer in layers.items()}
-    saved = parse_state(state, specs, strict=strict)
-    recompute, restored = [], []
-    for name, layer in layers.items():
-        entry = saved.layers.get(name, SavedLayer({}))
-        if not layer.load_saved_state(entry, keep=keep(name)):
-            recompute.append(name)
-        elif layer.has_factors:
-            restored.append(name)
-    return saved, recompute, restored

@@ -26,6 +26,9 @@ PHASES = (
     'factor_allreduce',
     'decomposition',
     'decomposition_broadcast',
+    'scale_estimate',
+    'scale_allreduce',
+    'scale_update',
     'grad_gather',
     'precondition',
     'grad_broadcast',
@@ -34,8 +37,9 @@ PHASES = (
     'kl_clip_allreduce',
     'write_back',
 )
-"""Phases of one step, in order (`grad_gather`, `grad_scatter` and
-`kl_clip_allreduce` only with sharded parameters)."""
+"""Phases of one step, in order (`scale_*` only with EKFAC layers;
+`grad_gather`, `grad_scatter` and `kl_clip_allreduce` only with sharded
+parameters)."""
 
 
 class PhaseTimer:

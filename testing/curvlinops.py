@@ -29,7 +29,8 @@ with warnings.catch_warnings():
         'ignore', '`torch.jit.script` is deprecated', DeprecationWarning
     )
     # No py.typed marker in curvlinops: mypy cannot analyse the import.
-    from curvlinops import KFACLinearOperator  # type: ignore[import-untyped]  # curvlinops has no py.typed
+    from curvlinops import EKFACLinearOperator  # type: ignore[import-untyped]  # curvlinops has no py.typed
+    from curvlinops import KFACLinearOperator
 
 #: `{module name: (A, G)}`.
 Factors = dict[str, tuple[torch.Tensor, torch.Tensor]]
@@ -126,4 +127,36 @@ def kfac_factors(
         a, g = layer.a.value, layer.g.value
         assert a is not None and g is not None, name
         out[name] = (a, g)
+    return out
+
+
+def curvlinops_ekfac_products(
+    model: nn.Module,
+    loss_func: nn.CrossEntropyLoss,
+    x: torch.Tensor,
+    y: torch.Tensor,
+    vectors: list[torch.Tensor],
+    *,
+    num_per_example_loss_terms: int,
+    kfac_approx: str = 'expand',
+) -> list[torch.Tensor]:
+    """The EKFAC matrix of curvlinops (empirical Fisher, weight and bias
+    together) applied to `vectors`, one per trained parameter of `model`
+    in `parameters()` order and of its shape.
+    """
+    clone = copy.deepcopy(model)
+    params = [p for p in clone.parameters() if p.requires_grad]
+    operator: Any = EKFACLinearOperator(
+        clone,
+        loss_func,
+        params,
+        [(x, y)],
+        check_deterministic=False,
+        fisher_type='empirical',
+        kfac_approx=kfac_approx,
+        num_per_example_loss_terms=num_per_example_loss_terms,
+        separate_weight_and_bias=False,
+        num_data=x.shape[0],
+    )
+    out: list[torch.Tensor] = operator @ vectors
     return out

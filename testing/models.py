@@ -41,6 +41,25 @@ class TinyCNN(nn.Module):
         return out
 
 
+class PooledCNN(TinyCNN):
+    """[`TinyCNN`][testing.models.TinyCNN] with the head on the channels'
+    spatial means: a `Linear(3, classes)`, so every factor has full rank
+    from a dozen examples on (EKFAC's scaling and a warm-started basis
+    depend on the eigenvectors chosen inside a repeated eigenvalue, which
+    follow rounding: the distributed oracles need distinct eigenvalues).
+    """
+
+    def __init__(self, channels: int = 2, classes: int = 3) -> None:
+        super().__init__(channels, classes)
+        self.fc = nn.Linear(3, classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.relu(self.conv1(x))
+        h = torch.tanh(self.conv2(h))
+        out: torch.Tensor = self.fc(h.mean(dim=(2, 3)))
+        return out
+
+
 class BranchNet(nn.Module):
     """A model whose ``branch`` layer runs only when ``use_branch`` is set."""
 

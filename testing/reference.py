@@ -247,3 +247,46 @@ def conv_patches_nd(
             xp[(slice(None), slice(None), *window)].reshape(len(x), -1)
         )
     return torch.stack(patches, dim=1)
+
+
+def per_example_grads(
+    model: nn.Module,
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    x: torch.Tensor,
+    y: torch.Tensor,
+) -> dict[str, torch.Tensor]:
+    """``∇ℓ_n`` of every parameter, ``(N, *shape)``, with ``torch.func``.
+
+    ``ℓ_n = loss_fn(model(x[n:n+1]), y[n:n+1])``: the loss of example ``n``
+    alone (examples along dimension 0 of ``x`` and ``y``).
+    """
+    params = {k: p.detach() for k, p in model.named_parameters()}
+
+    def loss(
+        p: dict[str, torch.Tensor], xi: torch.Tensor, yi: torch.Tensor
+    ) -> torch.Tensor:
+        out = torch.func.functional_call(model, p, (xi[None],))
+        return loss_fn(out, yi[None])
+
+    grads: dict[str, torch.Tensor] = torch.func.vmap(
+        torch.func.grad(loss), in_dims=(None, 0, 0)
+    )(params, x, y)
+    return grads
+
+
+def ekfac_scale_reference(
+    grads: torch.Tensor,
+    qg: torch.Tensor,
+    qa: torch.Tensor,
+    terms: int,
+) -> torch.Tensor:
+    """``(1/terms) Σ_n (Q_Gᵀ V_n Q_A)²`` by a loop over the examples.
+
+    ``grads`` is ``(N, out, in)``: each example's gradient matrix ``V_n``;
+    ``terms`` is 1 for a summed loss.
+    """
+    total = torch.zeros(grads.shape[1:], dtype=grads.dtype)
+    for v in grads:
+        rotated = qg.T @ v @ qa
+        total += rotated * rotated
+    return total / terms

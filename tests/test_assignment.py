@@ -225,3 +225,52 @@ def test_invalid_arguments(
 ) -> None:
     with pytest.raises(error, match=match):
         _assignment(**kwargs)
+
+
+@pytest.mark.parametrize('fraction', [0.25, 0.5, 1.0])
+def test_shared_bases_are_held_by_every_rank(fraction: float) -> None:
+    """EKFAC's layers: every rank holds their decompositions, received over
+    the default group (None), whatever the fraction; the other layers keep
+    the gradient workers'.
+    """
+    recorder = RecordingGroups()
+    for rank in range(4):
+        assignment = _assignment(
+            local_rank=rank,
+            grad_worker_fraction=fraction,
+            group_func=recorder,
+            shared_bases=['fc'],
+        )
+        assert assignment.plan.shared_bases == frozenset({'fc'})
+        assert assignment.holds_decomposition('fc')
+        for factor in ('A', 'G'):
+            assert assignment.factor_group('fc', factor) is None
+            assert assignment.factor_group(
+                'conv1', factor
+            ) is assignment.grad_worker_group('conv1')
+        assert assignment.holds_decomposition('conv1') == (
+            assignment.is_grad_worker('conv1')
+        )
+        assert assignment.broadcast_inverses()  # fc's, at least
+    single = _assignment(
+        world_size=1, grad_worker_fraction=1.0, shared_bases=['fc']
+    )
+    assert not single.broadcast_inverses()  # nothing to send on one rank
+    with pytest.raises(ValueError, match=r"not in work: \['head'\]"):
+        _assignment(shared_bases=['fc', 'head'])
+
+
+def test_holds_decomposition_defaults_to_the_gradient_workers() -> None:
+    """The interface's default, for a `WorkAssignment` that shares none."""
+
+    class Workers(KAISAAssignment):
+        holds_decomposition = WorkAssignment.holds_decomposition
+
+    for rank in range(4):
+        assignment = Workers(
+            WORK, local_rank=rank, world_size=4, grad_worker_fraction=0.25
+        )
+        for layer in WORK:
+            assert assignment.holds_decomposition(layer) == (
+                assignment.is_grad_worker(layer)
+            )

@@ -5,7 +5,7 @@ DCP resume mid-way between decompositions is bitwise exact. Distributed
 (FSDP2): a checkpoint saved at W = 2 after three steps (the decompositions
 of step 2 in use, the next at step 4) resumes at W = 2 bitwise equal to the
 uninterrupted run, and at W = 4 and W = 1 within 1e-10 of one process
-trained without interruption, with COMM-OPT and MEM-OPT.
+trained without interruption, with COMM-OPT and MEM-OPT, and EKFAC.
 """
 
 from __future__ import annotations
@@ -39,6 +39,8 @@ CONFIGS: dict[str, dict[str, Any]] = {
         'grad_worker_fraction': 'mem_opt',
         'compute_method': 'inverse',
     },
+    # EKFAC: S saved once (as the factors), bases loaded on every rank
+    'ekfac': {'grad_worker_fraction': 'mem_opt', 'compute_method': 'ekfac'},
 }
 
 

@@ -48,6 +48,14 @@ KWARGS = [
     {'compute_method': 'eigen'},
     {'compute_method': 'eigen', 'compute_eigenvalue_outer_product': False},
     {'compute_method': 'inverse'},
+    # a decomposition at step 3 without a factor update restarts S
+    {'compute_method': 'ekfac'},
+    {
+        'compute_method': 'ekfac',
+        'compute_eigenvalue_outer_product': False,
+        'basis_refresh': 'qr',
+    },
+    {'compute_method': 'eigen', 'basis_refresh': 'qr'},
 ]
 
 
@@ -209,7 +217,7 @@ def test_non_strict_load_skips_missing_and_unexpected_layers() -> None:
     [
         (lambda s: s.update(version=99), ValueError, 'format version 99'),
         (lambda s: s.pop('version'), ValueError, 'format version None'),
-        (lambda s: s.update(version=True), ValueError, 'reads versions 1, 2'),
+        (lambda s: s.update(version=True), ValueError, 'versions 1, 2, 3'),
         (lambda s: s.pop('steps'), ValueError, "missing the entry 'steps'"),
         (lambda s: s.pop('layers'), ValueError, "missing the entry 'layers'"),
     ],
@@ -234,6 +242,36 @@ def test_version_1_states_load() -> None:
             loaded = other.layers[name].factor(factor.name).value
             assert loaded is not None and factor.value is not None
             assert torch.equal(loaded, factor.value)
+
+
+def test_version_2_states_load_without_a_scale() -> None:
+    """Version 3 adds EKFAC's `S`; without it the scaling restarts."""
+    _, precon = trained(compute_method='ekfac')
+    state = precon.state_dict()
+    assert state['layers']['fc1']['S'].shape == (5, 7)
+    for entry in state['layers'].values():
+        del entry['S']
+    state['version'] = 2
+    _, other = trained(compute_method='ekfac')
+    other.load_state_dict(state)
+    for name, layer in other.layers.items():
+        assert getattr(layer, 'scale', 0) is None
+        loaded = layer.factor('A').value
+        assert loaded is not None
+        assert torch.equal(loaded, precon.layers[name].factor('A').value)  # type: ignore[arg-type]
+
+
+def test_scale_entries_are_checked() -> None:
+    _, precon = trained(compute_method='ekfac')
+    state = precon.state_dict()
+    state['layers']['fc1']['S'] = torch.zeros(7, 5)
+    with pytest.raises(
+        ValueError, match=r'layers.fc1.S has shape \(7, 5\), expected \(5, 7\)'
+    ):
+        precon.load_state_dict(state)
+    _, eigen = trained()
+    with pytest.raises(ValueError, match='unexpected entry layers.fc1.S'):
+        eigen.load_state_dict(precon.state_dict())
 
 
 def test_state_must_be_a_mapping() -> None:

@@ -29,6 +29,7 @@ from kfac.enums import ComputeMethod
 from kfac.enums import DistributedStrategy
 from kfac.hyperparams import exp_decay_factor_averaging
 from kfac.layers.eigen import KFACEigenLayer
+from kfac.layers.ekfac import KFACEKFACLayer
 from kfac.layers.inverse import KFACInverseLayer
 from kfac.layers.modules import LinearModuleHelper
 from kfac.layers.register import register_modules
@@ -192,6 +193,19 @@ INVALID: list[tuple[dict[str, Any], type[Exception], str]] = [
         ValueError,
         'compute_eigenvalue_outer_product=True needs colocate_factors=True',
     ),
+    (
+        {'basis_refresh': 'lanczos'},
+        ValueError,
+        "basis_refresh must be one of ('eigh', 'qr'); got 'lanczos'",
+    ),
+    ({'basis_refresh': 1}, TypeError, 'basis_refresh must be one of'),
+    (
+        {'compute_method': 'inverse', 'basis_refresh': 'qr'},
+        ValueError,
+        "basis_refresh='qr' refreshes eigenbases: it needs "
+        "compute_method='eigen' or 'ekfac'",
+    ),
+    ({'compute_method': 'ekfac_x'}, ValueError, "'eigen', 'inverse', 'ekfac'"),
 ]
 
 
@@ -275,6 +289,31 @@ def test_config_normalises_what_it_accepts() -> None:
     assert config.skip_layers == ('fc1',)
     assert type(config.accumulation_steps) is int
     assert KFACConfig(skip_layers=None).skip_layers == ()
+
+
+@pytest.mark.parametrize('method', ['eigen', 'ekfac'])
+def test_basis_refresh_reaches_the_layers(method: str) -> None:
+    precon = KFACPreconditioner(
+        TinyMLP(), compute_method=method, basis_refresh='qr'
+    )
+    assert precon.config.basis_refresh == 'qr'
+    layer = precon.layers['fc1']
+    assert isinstance(layer, KFACEigenLayer)
+    assert layer.basis_refresh == 'qr'
+    assert isinstance(layer, KFACEKFACLayer) == (method == 'ekfac')
+
+
+def test_ekfac_outer_product_needs_no_colocation() -> None:
+    """EKFAC's `1 / (S + λ)` is formed where `S` is updated, on ranks that
+    hold both bases: `colocate_factors=False` is fine.
+    """
+    precon = KFACPreconditioner(
+        TinyMLP(), compute_method='ekfac', colocate_factors=False
+    )
+    layer = precon.layers['fc1']
+    assert isinstance(layer, KFACEKFACLayer)
+    assert layer.prediv_scale
+    assert not layer.prediv_eigenvalues  # plain bases are broadcast
 
 
 def test_outer_product_without_colocation_is_fine_for_inverse() -> None:

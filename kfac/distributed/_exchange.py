@@ -217,15 +217,16 @@ def broadcast_decompositions(
     layers: Mapping[str, KFACBaseLayer],
 ) -> None:
     """Send each factor's decomposition from its inverse worker to the
-    layer's gradient workers; store it there, or None if not finite.
+    ranks that hold the layer's decompositions (its gradient workers, or
+    every rank for shared bases); store it there, or None if not finite.
 
-    Called by every rank; a rank takes part only for the layers it is a
-    gradient worker of. One host synchronisation checks all received
+    Called by every rank; a rank takes part only for the layers whose
+    decompositions it holds. One host synchronisation checks all received
     tensors.
     """
     pending = []
     for name, layer in layers.items():
-        if not plan.is_grad_worker(name):
+        if not plan.holds_decomposition(name):
             continue
         for f in FACTOR_NAMES:
             handles = start_decomposition_broadcast(
@@ -247,6 +248,34 @@ def broadcast_decompositions(
         valid = all(flags[index : index + len(tensors)])
         index += len(tensors)
         layer.set_decomposition(f, tensors if valid else None)
+
+
+# EKFAC's scaling ---------------------------------------------------------
+
+
+def allreduce_scales(
+    comm: TorchDistributedCommunicator,
+    scales: Mapping[str, torch.Tensor],
+    *,
+    bucketed: bool,
+) -> dict[str, torch.Tensor]:
+    """Average each layer's batch scaling `S` over all ranks.
+
+    Every rank calls this with the same layers in the same order (the
+    EKFAC layers whose factors were updated in this step), each holding
+    the `S` of its own examples; a non-finite entry on one rank makes it
+    non-finite on all, which the layers then handle alike.
+
+    Returns:
+        The averages, by layer, identical on every rank.
+    """
+    reduce = comm.allreduce_bucketed if bucketed else comm.allreduce
+    handles = {name: reduce(scale) for name, scale in scales.items()}
+    comm.flush()
+    return {
+        name: wait(handle, f'scaling allreduce of {name}')
+        for name, handle in handles.items()
+    }
 
 
 # Gradients ---------------------------------------------------------------

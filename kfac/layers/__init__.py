@@ -1,9 +1,9 @@
 """Per-layer K-FAC: module helpers, registration and the two methods.
 
 `import kfac.layers` imports its submodules (`attention`, `base`, `blocks`,
-`conv`, `decomposition`, `eigen`, `embedding`, `factor`, `helper`,
-`inverse`,
-`modules`, `options`, `register`, `statistics`, `tied`).
+`conv`, `decomposition`, `eigen`, `ekfac`, `embedding`, `examples`,
+`factor`, `helper`, `inverse`, `modules`, `options`, `register`,
+`statistics`, `tied`).
 """
 
 from __future__ import annotations
@@ -14,7 +14,9 @@ from kfac.layers import blocks
 from kfac.layers import conv
 from kfac.layers import decomposition
 from kfac.layers import eigen
+from kfac.layers import ekfac
 from kfac.layers import embedding
+from kfac.layers import examples
 from kfac.layers import factor
 from kfac.layers import helper
 from kfac.layers import inverse
@@ -25,10 +27,12 @@ from kfac.layers import statistics
 from kfac.layers import tied
 from kfac.layers.base import KFACBaseLayer
 from kfac.layers.eigen import KFACEigenLayer
+from kfac.layers.ekfac import KFACEKFACLayer
 from kfac.layers.inverse import KFACInverseLayer
 
 __all__ = [
     'KFACBaseLayer',
+    'KFACEKFACLayer',
     'KFACEigenLayer',
     'KFACInverseLayer',
     'attention',
@@ -37,7 +41,9 @@ __all__ = [
     'conv',
     'decomposition',
     'eigen',
+    'ekfac',
     'embedding',
+    'examples',
     'factor',
     'helper',
     'inverse',

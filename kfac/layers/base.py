@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import abc
 from collections import Counter
+from typing import ClassVar
 
 import torch
 
@@ -50,6 +51,11 @@ class KFACBaseLayer(DecompositionAttempts):
             [`kfac.math`][kfac.math].
 
     """
+
+    bases_everywhere: ClassVar[bool] = False
+    """Whether every rank that holds examples needs this layer's
+    decompositions, not only its gradient workers (EKFAC: each rank
+    estimates the scaling from its own examples)."""
 
     def __init__(
         self,
@@ -242,7 +248,18 @@ class KFACBaseLayer(DecompositionAttempts):
                 for f in FACTOR_NAMES
             },
             frozenset(f.name for f in self.factors if f.diagonal),
+            self.statistic_shapes(),
         )
+
+    def statistic_shapes(self) -> dict[str, tuple[int, ...]]:
+        """The running statistics saved besides the factors, by name, and
+        their shapes (none here).
+        """
+        return {}
+
+    def saved_statistics(self) -> dict[str, torch.Tensor]:
+        """The running statistics besides the factors that exist now."""
+        return {}
 
     def saved_state(self, include_decompositions: bool) -> SavedLayer:
         """The running factors, and the decompositions held here if
@@ -257,7 +274,7 @@ class KFACBaseLayer(DecompositionAttempts):
         factors = {
             f.name: f.value for f in self.factors if f.value is not None
         }
-        return SavedLayer(factors, decomposition)
+        return SavedLayer(factors, decomposition, self.saved_statistics())
 
     def load_saved_state(self, saved: SavedLayer, keep: bool) -> bool:
         """Restore the running factors of `saved` (a missing one is

@@ -226,6 +226,32 @@ class BlockHelper(ModuleHelper):
         """The base's output-gradient columns, rows of the tile's range."""
         return self.base.g_columns(grad_output, dtype, scale)[self.rows]
 
+    def a_example_rows(
+        self,
+        layer_input: torch.Tensor,
+        dtype: torch.dtype,
+    ) -> torch.Tensor:
+        """The base's rows, the tile's columns only (tokens outside its
+        range of a one-hot input become `-1`, the others count from its
+        first column).
+        """
+        rows = self.base.a_example_rows(layer_input, dtype)
+        if not self.a_diagonal:
+            return rows[..., self.cols]
+        inside = (rows >= self.cols.start) & (rows < self.cols.stop)
+        return torch.where(inside, rows - self.cols.start, -1)
+
+    def g_example_rows(
+        self,
+        grad_output: torch.Tensor,
+        dtype: torch.dtype,
+        scale: float,
+    ) -> torch.Tensor:
+        """The base's output-gradient rows, the tile's range only."""
+        return self.base.g_example_rows(grad_output, dtype, scale)[
+            ..., self.rows
+        ]
+
     def batch_size(self, tensor: torch.Tensor) -> int:  # noqa: D102
         return self.base.batch_size(tensor)
 

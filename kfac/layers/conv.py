@@ -96,11 +96,14 @@ class ConvModuleHelper(ModuleHelper):
         batched = tensor.dim() == self.spatial + 2
         return tensor if batched else tensor[None]
 
-    def a_columns(  # noqa: D102
+    def _patch_blocks(
         self,
         layer_input: torch.Tensor,
         dtype: torch.dtype,
     ) -> Iterator[torch.Tensor]:
+        """The input patches, a few examples at a time, as `(in, n, T)`
+        views of one reused buffer (use each before asking for the next).
+        """
         m = self.module
         x = self._batched(layer_input)
         pads = self._pad_amounts()
@@ -136,11 +139,39 @@ class ConvModuleHelper(ModuleHelper):
                 index: tuple[int | slice, ...] = (slice(None), *offsets)
                 target = patches[index]
                 target.copy_(block[(slice(None), slice(None), *window)])
-            columns = patches.view(rows, count, positions)
+            yield patches.view(rows, count, positions)
+
+    def a_columns(  # noqa: D102
+        self,
+        layer_input: torch.Tensor,
+        dtype: torch.dtype,
+    ) -> Iterator[torch.Tensor]:
+        for columns in self._patch_blocks(layer_input, dtype):
             if self.kfac_approx == 'reduce':
                 yield columns.mean(dim=2)
             else:
-                yield columns.view(rows, count * positions)
+                yield columns.reshape(columns.shape[0], -1)
+
+    def a_example_rows(  # noqa: D102
+        self,
+        layer_input: torch.Tensor,
+        dtype: torch.dtype,
+    ) -> torch.Tensor:
+        blocks = [
+            block.permute(1, 2, 0).clone()
+            for block in self._patch_blocks(layer_input.detach(), dtype)
+        ]
+        return self.with_bias_column(torch.cat(blocks))
+
+    def g_example_rows(  # noqa: D102
+        self,
+        grad_output: torch.Tensor,
+        dtype: torch.dtype,
+        scale: float,
+    ) -> torch.Tensor:
+        g = self._batched(grad_output.detach())
+        rows = g.reshape(g.shape[0], g.shape[1], -1).transpose(1, 2).to(dtype)
+        return rows * scale if scale != 1.0 else rows
 
     def g_columns(  # noqa: D102
         self,
@@ -231,6 +262,24 @@ class ConvGroupHelper(ConvModuleHelper):
     ) -> torch.Tensor:
         grad = self._channels(grad_output, self._out)
         return super().g_columns(grad, dtype, scale)
+
+    def a_example_rows(  # noqa: D102
+        self,
+        layer_input: torch.Tensor,
+        dtype: torch.dtype,
+    ) -> torch.Tensor:
+        return super().a_example_rows(
+            self._channels(layer_input, self._in), dtype
+        )
+
+    def g_example_rows(  # noqa: D102
+        self,
+        grad_output: torch.Tensor,
+        dtype: torch.dtype,
+        scale: float,
+    ) -> torch.Tensor:
+        grad = self._channels(grad_output, self._out)
+        return super().g_example_rows(grad, dtype, scale)
 
     def get_grad(  # noqa: D102
         self, grads: Grads | None = None

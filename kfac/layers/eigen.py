@@ -2,6 +2,12 @@
 
 A diagonal factor (the `A` of an embedding) is its own eigenvalues; its
 eigenvectors are the identity and are neither stored nor sent.
+
+A basis is refreshed by a full `eigh` or, with `basis_refresh='qr'`, by
+[`WARM_START_STEPS`][kfac.layers.eigen.WARM_START_STEPS] steps of
+orthogonal iteration from the previous basis
+([`subspace_iteration`][kfac.math.ekfac.subspace_iteration]; the first
+decomposition is a full `eigh`).
 """
 
 from __future__ import annotations
@@ -17,8 +23,16 @@ from kfac.layers.embedding import diagonal_eigen_precondition
 from kfac.layers.helper import ModuleHelper
 from kfac.math import eigen_precondition
 from kfac.math import eigenvalue_outer_product
+from kfac.math import subspace_iteration
 from kfac.math import symmetric_eigh
 from kfac.validation import check_bool
+from kfac.validation import check_choice
+
+BASIS_REFRESHES = ('eigh', 'qr')
+"""Allowed values of `basis_refresh`."""
+
+WARM_START_STEPS = 2
+"""QR steps of a warm-started basis refresh (`basis_refresh='qr'`)."""
 
 
 class KFACEigenLayer(KFACBaseLayer):
@@ -34,6 +48,9 @@ class KFACEigenLayer(KFACBaseLayer):
             one in force at the last decomposition. Needs both factors
             decomposed on the same rank, `A` first. A diagonal `A` then
             leaves nothing to send (its eigenvectors are the identity).
+        basis_refresh: `'eigh'` (a full eigendecomposition at every
+            refresh) or `'qr'` (warm start from the previous basis; see the
+            module docstring).
         **kwargs: see [`KFACBaseLayer`][kfac.layers.base.KFACBaseLayer].
 
     """
@@ -43,12 +60,16 @@ class KFACEigenLayer(KFACBaseLayer):
         module: ModuleHelper,
         *,
         prediv_eigenvalues: bool = False,
+        basis_refresh: str = 'eigh',
         **kwargs: Any,
     ) -> None:
         super().__init__(module, **kwargs)
         self.prediv_eigenvalues = check_bool(
             'prediv_eigenvalues',
             prediv_eigenvalues,
+        )
+        self.basis_refresh = check_choice(
+            'basis_refresh', basis_refresh, BASIS_REFRESHES
         )
         self._da: torch.Tensor | None = None
         self._a_tried = False
@@ -63,8 +84,14 @@ class KFACEigenLayer(KFACBaseLayer):
     ) -> Decomposed:
         if name == 'A':
             self._a_tried = True
-        if self.factor(name).diagonal:  # Q = I: the eigenvalues alone
+        factor = self.factor(name)
+        if factor.diagonal:  # Q = I: the eigenvalues alone
             return Decomposed((matrix.clamp(min=0.0),), None)
+        previous = factor.decomposition
+        if self.basis_refresh == 'qr' and previous is not None:
+            basis = previous[0]  # Q, with or without prediv_eigenvalues
+            steps = WARM_START_STEPS
+            return Decomposed(subspace_iteration(matrix, basis, steps), None)
         # eigh raises on failure: no flag of its own
         return Decomposed(symmetric_eigh(matrix, dtype), None)
 

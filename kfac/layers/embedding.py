@@ -215,6 +215,36 @@ class EmbeddingModuleHelper(ModuleHelper):
         rows = grad_output.reshape(-1, grad_output.shape[-1]).to(dtype)
         return (rows * scale if scale != 1.0 else rows).T
 
+    def _examples_first(self, tensor: torch.Tensor) -> torch.Tensor:
+        """The indices `(N, T)` or output gradient `(N, T, d)` of a
+        tensor in the module's layout.
+        """
+        n = self.batch_size(tensor)
+        if self._index_dims(tensor) > 1 and not self.batch_first:
+            tensor = tensor.transpose(0, 1)
+        if tensor.is_floating_point():
+            return tensor.reshape(n, -1, tensor.shape[-1])
+        return tensor.reshape(n, -1)
+
+    def a_example_rows(
+        self,
+        layer_input: torch.Tensor,
+        dtype: torch.dtype,
+    ) -> torch.Tensor:
+        """The tokens of each example and position, `(N, T)`: the
+        inputs are one-hot.
+        """
+        return self._examples_first(layer_input.detach())
+
+    def g_example_rows(  # noqa: D102
+        self,
+        grad_output: torch.Tensor,
+        dtype: torch.dtype,
+        scale: float,
+    ) -> torch.Tensor:
+        rows = self._examples_first(grad_output.detach()).to(dtype)
+        return rows * scale if scale != 1.0 else rows
+
     def _index_dims(self, tensor: torch.Tensor) -> int:
         """Dimensions that index tokens: all of the (integer) indices',
         all but the last (`d`) of an output gradient's.

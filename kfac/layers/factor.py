@@ -46,6 +46,10 @@ class Captured(NamedTuple):
     use: int = 0
     """Which use of a weight tied in transposed roles the capture came
     from (see [`kfac.layers.tied`][kfac.layers.tied])."""
+    kept: torch.Tensor | None = None
+    """The input itself, kept for statistics of each example (see
+    [`kfac.layers.examples`][kfac.layers.examples]) whether or not the
+    statistic was computed now."""
 
 
 class KroneckerFactor:

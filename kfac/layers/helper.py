@@ -280,6 +280,39 @@ class ModuleHelper(abc.ABC):
         """Scaled output gradients as columns `(out, R)` in `dtype`."""
 
     @abc.abstractmethod
+    def a_example_rows(
+        self,
+        layer_input: torch.Tensor,
+        dtype: torch.dtype,
+    ) -> torch.Tensor:
+        """The inputs `ã` of each example and position, `(N, T, in[+1])`
+        in `dtype` (the bias column included), whatever `kfac_approx`; for
+        one-hot inputs (a diagonal `A`), the tokens instead, `(N, T)`
+        integers, `-1` for a token outside the columns of `V`.
+        """
+
+    @abc.abstractmethod
+    def g_example_rows(
+        self,
+        grad_output: torch.Tensor,
+        dtype: torch.dtype,
+        scale: float,
+    ) -> torch.Tensor:
+        """The scaled output gradients `g` of each example and position,
+        `(N, T, out)` in `dtype`, in the order of
+        [`a_example_rows`][kfac.layers.helper.ModuleHelper.a_example_rows].
+        """
+
+    def with_bias_column(self, rows: torch.Tensor) -> torch.Tensor:
+        """`rows` `(..., in)` with a last column of ones when `A` has the
+        bias entry (`(..., in + 1)`), else `rows`.
+        """
+        if not self.has_bias:
+            return rows
+        ones = rows.new_ones((*rows.shape[:-1], 1))
+        return torch.cat([rows, ones], dim=-1)
+
+    @abc.abstractmethod
     def positions(self, tensor: torch.Tensor) -> int:
         """Weight-sharing positions `T` per example of an input or
         output-gradient tensor (1 without sharing).

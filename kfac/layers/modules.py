@@ -74,6 +74,24 @@ class LinearModuleHelper(ModuleHelper):
             return rows.sum(dim=1).T
         return rows.reshape(-1, rows.shape[-1]).T
 
+    def a_example_rows(  # noqa: D102
+        self,
+        layer_input: torch.Tensor,
+        dtype: torch.dtype,
+    ) -> torch.Tensor:
+        return self.with_bias_column(
+            self._rows(layer_input.detach()).to(dtype)
+        )
+
+    def g_example_rows(  # noqa: D102
+        self,
+        grad_output: torch.Tensor,
+        dtype: torch.dtype,
+        scale: float,
+    ) -> torch.Tensor:
+        rows = self._rows(grad_output.detach()).to(dtype)
+        return rows * scale if scale != 1.0 else rows
+
     def batch_size(self, tensor: torch.Tensor) -> int:  # noqa: D102
         if tensor.dim() > 2 and not self.batch_first:
             return tensor.shape[1]

@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import torch
 
+from kfac.layers.examples import Call
+from kfac.layers.examples import ExampleRows
 from kfac.layers.factor import Captured
 from kfac.layers.factor import KroneckerFactor
 from kfac.layers.helper import ModuleHelper
@@ -97,6 +99,9 @@ class LayerStatistics:
             ),
             self.factor_dtype,
         )
+        self.examples: ExampleRows | None = None
+        """The calls of the current factor update, kept whole when a
+        statistic needs each example (EKFAC's scaling); None otherwise."""
 
     @property
     def device(self) -> torch.device:
@@ -130,6 +135,8 @@ class LayerStatistics:
         self._set_dtypes(weight.dtype)
         for factor in self.factors:
             factor.move(weight.device, self.factor_dtype, self.inv_dtype)
+        if self.examples is not None:
+            self.examples.move(weight.device)
         return True
 
     # Factors ---------------------------------------------------------------
@@ -176,7 +183,7 @@ class LayerStatistics:
             now: compute the statistic now instead of keeping the tensor.
 
         """
-        multiplier, count = self._g_scaling(grad_output, accumulation_steps)
+        multiplier, count = self.g_scaling(grad_output, accumulation_steps)
         self.g.add(
             self.g.prepare(
                 grad_output, multiplier / loss_scale, now=now, counted=False
@@ -184,7 +191,7 @@ class LayerStatistics:
         )
         self.g.add_examples(count)
 
-    def _g_scaling(
+    def g_scaling(
         self, grad_output: torch.Tensor, accumulation_steps: int
     ) -> tuple[float, int]:
         """The multiplier turning an output gradient into `g`, and the
@@ -209,7 +216,31 @@ class LayerStatistics:
         """Capture the input of one call, to be added with its output
         gradient by [`add_call`][kfac.layers.base.KFACBaseLayer.add_call].
         """
-        return self.a.prepare(layer_input, 1.0, now=now)
+        return self.keep_input(
+            self.a.prepare(layer_input, 1.0, now=now), layer_input
+        )
+
+    def keep_input(
+        self, captured: Captured, layer_input: torch.Tensor
+    ) -> Captured:
+        """`captured`, holding `layer_input` too when the layer keeps
+        [`examples`][kfac.layers.statistics.LayerStatistics.examples].
+        """
+        if self.examples is None:
+            return captured
+        return captured._replace(kept=layer_input.detach())
+
+    def keep_call(
+        self, captured: Captured, grad_output: torch.Tensor, scale: float
+    ) -> None:
+        """Keep one call for the
+        [`examples`][kfac.layers.statistics.LayerStatistics.examples] (if
+        kept), `scale` turning `grad_output` into `g`.
+        """
+        if self.examples is not None and captured.kept is not None:
+            self.examples.add(
+                Call(captured.use, captured.kept, grad_output.detach(), scale)
+            )
 
     def add_call(
         self,
@@ -232,17 +263,20 @@ class LayerStatistics:
                 `N T` with `'batch+sequence'`, 0 for a summed loss).
         """
         self.a.add(layer_input)
-        multiplier, count = self._g_scaling(grad_output, accumulation_steps)
+        multiplier, count = self.g_scaling(grad_output, accumulation_steps)
         self.g.add(
             self.g.prepare(
                 grad_output, multiplier / loss_scale, now=now, counted=False
             )
         )
+        self.keep_call(layer_input, grad_output, multiplier / loss_scale)
         return count
 
     def add_examples(self, count: int) -> None:
         """Count the `count` examples of one backward pass (see `add_call`)."""
         self.g.add_examples(count)
+        if self.examples is not None:
+            self.examples.end_pass(count)
 
     @property
     def captures(self) -> tuple[int, int]:
@@ -260,6 +294,8 @@ class LayerStatistics:
                 or
                 [`rollback_factors`][kfac.layers.base.KFACBaseLayer.rollback_factors].
         """
+        if self.examples is not None:
+            self.examples.seal()
         if not (self.a.captures and self.g.captures):
             self.reset_batch()
             return None
@@ -274,14 +310,20 @@ class LayerStatistics:
             factor.commit()
 
     def rollback_factors(self) -> None:
-        """Undo the last `update_factors`."""
+        """Undo the last `update_factors` (and drop the calls it sealed)."""
         for factor in self.factors:
             factor.rollback()
+        if self.examples is not None:
+            self.examples.drop_sealed()
 
     def reset_batch(self) -> None:
-        """Drop captured data of both factors."""
+        """Drop captured data of both factors (and the calls kept since
+        the last factor update).
+        """
         for factor in self.factors:
             factor.reset_batch()
+        if self.examples is not None:
+            self.examples.discard()
 
     @property
     def has_factors(self) -> bool:

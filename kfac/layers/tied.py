@@ -15,7 +15,7 @@ layer, keyed by the first of the two names in model order, that
 * preconditions `V = (∇E)ᵀ`, of shape `(d, V)` (the embedding's
   orientation), with one Kronecker product `A ⊗ G` combining both uses:
   `A = X̄` `(V, V)`, `G = Ȳ` `(d, d)` from
-  [`kronecker_sum_factors`][kfac.math.kronecker_sum_factors] with the
+  [`kronecker_sum_factors`][kfac.math.tied.kronecker_sum_factors] with the
   terms `(A_e, G_e)` and `(G_h, A_h)` (the formula and why it was chosen
   are in [`kfac.math`][kfac.math]), computed from the running averages
   whenever the factors are decomposed.
@@ -40,15 +40,23 @@ from typing import Any
 import torch
 
 from kfac.layers.eigen import KFACEigenLayer
+from kfac.layers.ekfac import KFACEKFACLayer
+from kfac.layers.ekfac import Rows
+from kfac.layers.examples import Call
 from kfac.layers.factor import Captured
 from kfac.layers.factor import KroneckerFactor
 from kfac.layers.helper import Grads
 from kfac.layers.helper import ModuleHelper
 from kfac.layers.inverse import KFACInverseLayer
 from kfac.layers.statistics import LayerStatistics
-from kfac.math import kronecker_sum_factors
+from kfac.math.tied import kronecker_sum_factors
 
-__all__ = ['KFACTiedEigenLayer', 'KFACTiedInverseLayer', 'TiedHelper']
+__all__ = [
+    'KFACTiedEKFACLayer',
+    'KFACTiedEigenLayer',
+    'KFACTiedInverseLayer',
+    'TiedHelper',
+]
 
 
 class TiedHelper(ModuleHelper):
@@ -143,6 +151,18 @@ class TiedHelper(ModuleHelper):
         """Not available: each use forms its own factors."""
         raise NotImplementedError('a tied weight forms factors per use')
 
+    def a_example_rows(
+        self, layer_input: torch.Tensor, dtype: torch.dtype
+    ) -> torch.Tensor:
+        """Not available: each use has its own rows."""
+        raise NotImplementedError('a tied weight has rows per use')
+
+    def g_example_rows(
+        self, grad_output: torch.Tensor, dtype: torch.dtype, scale: float
+    ) -> torch.Tensor:
+        """Not available: each use has its own rows."""
+        raise NotImplementedError('a tied weight has rows per use')
+
     def batch_size(self, tensor: torch.Tensor) -> int:  # noqa: D102
         return self.embedding.batch_size(tensor)
 
@@ -214,7 +234,7 @@ class _TiedStatistics(LayerStatistics):
         """
         index = int(layer_input.is_floating_point())
         captured = self.uses[index].prepare_input(layer_input, now=now)
-        return captured._replace(use=index)
+        return self.keep_input(captured._replace(use=index), layer_input)
 
     def add_call(  # documented in the base
         self,
@@ -226,7 +246,8 @@ class _TiedStatistics(LayerStatistics):
         now: bool,
     ) -> int:
         index = layer_input.use
-        count = self.uses[index].add_call(
+        use = self.uses[index]
+        count = use.add_call(
             layer_input,
             grad_output,
             loss_scale=loss_scale,
@@ -234,6 +255,8 @@ class _TiedStatistics(LayerStatistics):
             now=now,
         )
         self._examples[index] = max(self._examples[index], count)
+        multiplier, _ = use.g_scaling(grad_output, accumulation_steps)
+        self.keep_call(layer_input, grad_output, multiplier / loss_scale)
         return count
 
     def add_examples(self, count: int) -> None:
@@ -242,6 +265,8 @@ class _TiedStatistics(LayerStatistics):
         """
         for use, examples in zip(self.uses, self._examples):
             use.add_examples(examples)
+        if self.examples is not None:
+            self.examples.end_pass(max(self._examples))
         self._examples = [0, 0]
 
     @property
@@ -257,6 +282,8 @@ class _TiedStatistics(LayerStatistics):
         out of the combination) and later batches average into them as
         into any running average.
         """
+        if self.examples is not None:
+            self.examples.seal()
         flags = [use.update_factors(decay) for use in self.uses]
         ran = [flag for flag in flags if flag is not None]
         if not ran:
@@ -280,7 +307,7 @@ class _TiedStatistics(LayerStatistics):
     def decomposition_input(self, name: str) -> torch.Tensor | None:
         """The combined factor `name` (`A`: `(V, V)`, `G`: `(d, d)`) from
         the uses that have factors (see
-        [`kronecker_sum_factors`][kfac.math.kronecker_sum_factors]).
+        [`kronecker_sum_factors`][kfac.math.tied.kronecker_sum_factors]).
         """
         embedding, head = self.uses
         terms = [
@@ -328,3 +355,35 @@ class KFACTiedInverseLayer(_TiedStatistics, KFACInverseLayer):
     weight tied in transposed roles (see
     [`kfac.layers.tied`][kfac.layers.tied]).
     """
+
+
+class KFACTiedEKFACLayer(_TiedStatistics, KFACEKFACLayer):
+    """[`KFACEKFACLayer`][kfac.layers.ekfac.KFACEKFACLayer] of a weight
+    tied in transposed roles (see [`kfac.layers.tied`][kfac.layers.tied]).
+
+    Each example's gradient sums both uses (in the embedding's orientation,
+    `(d, V)`): `Σ_t g_{e,t} e_{k_t}ᵀ` from the embedding and `Σ_t h_t
+    g_{h,t}ᵀ` from the head, so the head's input rows `h` are on the `G`
+    side and its output gradients `g_h` on the `A` side; the one-hot rows
+    are rotated by the combined (dense) `Q_A`.
+    """
+
+    def example_rows(self, call: Call, dtype: torch.dtype) -> Rows:
+        """The rows of one call of either use, oriented as `V`."""
+        if call.use == 0:
+            embedding = self.module.embedding
+            return (
+                embedding.g_example_rows(call.grad_output, dtype, call.scale),
+                embedding.a_example_rows(call.layer_input, dtype),
+            )
+        head = self.module.head
+        return (
+            head.a_example_rows(call.layer_input, dtype),
+            head.g_example_rows(call.grad_output, dtype, call.scale),
+        )
+
+    def memory_usage(self) -> dict[str, int]:
+        """As for any tied layer, plus EKFAC's `scale` and `example_rows`
+        (see [`KFACEKFACLayer`][kfac.layers.ekfac.KFACEKFACLayer]).
+        """
+        return {**_TiedStatistics.memory_usage(self), **self.scale_memory()}

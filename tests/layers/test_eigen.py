@@ -5,7 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from kfac.layers.base import KFACBaseLayer
+from kfac.layers.eigen import WARM_START_STEPS
 from kfac.layers.eigen import KFACEigenLayer
+from kfac.math import subspace_iteration
 from testing.asserts import assert_rel_close
 from testing.reference import eigen_reference
 from testing.reference import linear_factors
@@ -59,3 +62,41 @@ def test_layout_describes_the_decomposition(prediv: bool) -> None:
         assert [tuple(t.shape) for t in tensors] == [s for s, _ in layout]
         assert not any(sym for _, sym in layout)
         assert not torch.equal(tensors[0], tensors[0].T)
+
+
+@pytest.mark.parametrize('prediv', [True, False])
+def test_qr_refresh_starts_from_the_previous_basis(prediv: bool) -> None:
+    """The first decomposition is `eigh`'s; the next ones are orthogonal
+    iteration from the basis held, with or without pre-divided eigenvalues.
+    """
+    qr, _, _ = layer_with_data(
+        KFACEigenLayer, prediv_eigenvalues=prediv, basis_refresh='qr'
+    )
+    eigh, _, _ = layer_with_data(KFACEigenLayer, prediv_eigenvalues=prediv)
+    for layer in (qr, eigh):
+        layer.update_factors(0.9)
+        for name in ('A', 'G'):
+            assert layer.compute_decomposition(name, 0.1)
+
+    def basis(layer: KFACBaseLayer, name: str) -> torch.Tensor:
+        tensors = layer.factor(name).decomposition
+        assert tensors is not None
+        return tensors[0]
+
+    for name in ('A', 'G'):
+        assert torch.equal(basis(qr, name), basis(eigh, name))
+    torch.manual_seed(5)
+    x, gout = torch.randn(6, 4, dtype=F64), torch.randn(6, 3, dtype=F64)
+    qr.save_layer_input(x, now=True)
+    qr.save_layer_grad_output(gout, now=True)
+    qr.update_factors(0.5)
+    previous = {n: basis(qr, n) for n in ('A', 'G')}
+    for name in ('A', 'G'):
+        assert qr.compute_decomposition(name, 0.1)
+        value = qr.factor(name).value
+        assert value is not None
+        q, d = subspace_iteration(value, previous[name], WARM_START_STEPS)
+        assert torch.equal(basis(qr, name), q)
+    if not prediv:
+        assert qr.g.decomposition is not None
+        assert torch.equal(qr.g.decomposition[1], d)

@@ -382,7 +382,7 @@ def test_bucket_count() -> None:
 
 @pytest.mark.parametrize('world', [2, 8, 64])
 @pytest.mark.parametrize('fraction', ['comm_opt', 'hybrid_opt', 'mem_opt'])
-@pytest.mark.parametrize('name', ['eigen', 'inverse packed'])
+@pytest.mark.parametrize('name', ['eigen', 'inverse packed', 'ekfac'])
 def test_traffic_conserves_bytes_and_agrees_with_counted(
     world: int, fraction: str, name: str
 ) -> None:
@@ -405,7 +405,7 @@ def test_traffic_conserves_bytes_and_agrees_with_counted(
                 for x in shapes
                 for f in ('A', 'G')
             )
-            * (plan.grad_workers > 1),
+            * (plan.grad_workers > 1 or name == 'ekfac'),
             'grad_broadcast': sum(x.grad_numel for x in shapes)
             * plan.grad_workers
             * (plan.grad_workers < world),
@@ -415,6 +415,11 @@ def test_traffic_conserves_bytes_and_agrees_with_counted(
         )
     sent, recv = traffic['factor_allreduce']
     nbytes, _ = counted[0]['factor_allreduce']
+    assert float(sent[0]) == pytest.approx(2 * (world - 1) / world * nbytes)
+    assert torch.equal(sent, recv)
+    sent, recv = traffic['scale_allreduce']
+    nbytes, _ = counted[0]['scale_allreduce']
+    assert (nbytes > 0) == (name == 'ekfac')
     assert float(sent[0]) == pytest.approx(2 * (world - 1) / world * nbytes)
     assert torch.equal(sent, recv)
 

@@ -39,6 +39,7 @@ PUBLIC_NAMES = [
     'kfac.layers.base.KFACBaseLayer',
     'kfac.layers.eigen.KFACEigenLayer',
     'kfac.layers.inverse.KFACInverseLayer',
+    'kfac.layers.ekfac.KFACEKFACLayer',
     'kfac.layers.modules.ModuleHelper',
     'kfac.layers.modules.LinearModuleHelper',
     'kfac.layers.modules.Conv2dModuleHelper',

@@ -7,8 +7,9 @@ rank trains [`testing.fsdp.ShardLM`][testing.fsdp.ShardLM], sharded with
 whole parameters after three steps (factor updates every step,
 decompositions at steps 0 and 2) must equal those of one process trained
 on all 12 without sharding to 1e-10 relative, in float64, for COMM-OPT
-and MEM-OPT, eigen and inverse. At W = 4 also: a hybrid fraction, no
-resharding after forward, and HSDP on a 2 x 2 mesh (replicate x shard),
+and MEM-OPT, eigen and inverse, and MEM-OPT EKFAC with warm-started bases.
+At W = 4 also: a hybrid fraction, no resharding after forward, and HSDP
+on a 2 x 2 mesh (replicate x shard, EKFAC among its configurations),
 whose replicas must hold bitwise-equal shards. At W = 2, a bfloat16
 mixed-precision policy (parameters and gradient reduction in bfloat16)
 trains within bfloat16 rounding of the float64 run.
@@ -52,6 +53,12 @@ CONFIGS: dict[str, dict[str, Any]] = {
         'grad_worker_fraction': 'hybrid_opt',
         'compute_eigenvalue_outer_product': False,
     },
+    'mem_opt-ekfac': {
+        'grad_worker_fraction': 'mem_opt',
+        'compute_method': 'ekfac',
+        'basis_refresh': 'qr',
+    },
+    'comm_opt-ekfac': {'compute_method': 'ekfac'},
 }
 
 # (label, config, mesh shape or None for 1-D, fully_shard keywords)
@@ -63,6 +70,7 @@ BASIC: list[Case] = [
         'comm_opt-inverse',
         'mem_opt-eigen',
         'mem_opt-inverse',
+        'mem_opt-ekfac',
     )
 ]
 EXTRA: list[Case] = [
@@ -75,6 +83,7 @@ EXTRA: list[Case] = [
     ),
     ('HSDP 2x2 comm_opt-eigen', 'comm_opt-eigen', (2, 2), {}),
     ('HSDP 2x2 mem_opt-inverse', 'mem_opt-inverse', (2, 2), {}),
+    ('HSDP 2x2 comm_opt-ekfac', 'comm_opt-ekfac', (2, 2), {}),
 ]
 
 

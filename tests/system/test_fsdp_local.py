@@ -7,14 +7,17 @@ process on the whole batch and `G_M` = `G` with the entries between rows
 of different shards zeroed; and it differs from lossless mode (the mask
 matters). An embedding, sharded along its vocabulary (the columns of its
 `V`, the side of its diagonal `A`), is preconditioned exactly as in
-lossless mode, and local mode gathers no gradient. Errors: local mode
-with MEM-OPT or an unsharded model.
+lossless mode, and local mode gathers no gradient. EKFAC in local mode
+equals one process with the same block-diagonal masks on `G` (its bases
+block-diagonal, `S` estimated in them from every example). Errors: local
+mode with MEM-OPT or an unsharded model.
 """
 
 from __future__ import annotations
 
 import json
 import pathlib
+from typing import Any
 
 import pytest
 import torch
@@ -47,13 +50,13 @@ def _data() -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _step_grads(
-    model: nn.Module, shard_mode: str, part: tuple[int, int]
+    model: nn.Module, shard_mode: str, part: tuple[int, int], **options: Any
 ) -> list[torch.Tensor]:
     """One K-FAC step without KL clip; the whole gradients it leaves."""
     from torch.distributed.tensor import DTensor
 
     precon = KFACPreconditioner(
-        model, damping=DAMPING, kl_clip=None, shard_mode=shard_mode
+        model, damping=DAMPING, kl_clip=None, shard_mode=shard_mode, **options
     )
     x, y = (oracle.rows(t, part) for t in _data())
     nn.functional.cross_entropy(model(x), y).backward()
@@ -99,6 +102,28 @@ def _dense(world: int) -> dict[str, list[torch.Tensor]]:
     return {'masked': masked, 'plain': plain}
 
 
+def _row_blocks(rows: int, world: int) -> torch.Tensor:
+    """`(rows, rows)`: True between rows of the same shard."""
+    owner = torch.arange(rows) // -(-rows // world)
+    return owner[:, None] == owner[None, :]
+
+
+def _masked_ekfac(world: int) -> list[torch.Tensor]:
+    """The gradients one EKFAC step leaves in one process, each layer's
+    `G` masked by shard before it is decomposed (local mode's factors).
+    """
+    model = _mlp()
+    precon = KFACPreconditioner(
+        model, compute_method='ekfac', damping=DAMPING, kl_clip=None
+    )
+    for layer in precon.layers.values():
+        layer.mask_factor('G', _row_blocks(layer.g.dim, world))
+    x, y = _data()
+    nn.functional.cross_entropy(model(x), y).backward()
+    precon.step()
+    return [p.grad.detach().clone() for p in model.parameters()]  # type: ignore[union-attr]
+
+
 def _loss(model: nn.Module) -> float:
     tokens = fsdp.batch(0)
     with torch.no_grad():
@@ -115,14 +140,19 @@ def _one_step(out_dir: str) -> None:
 
     rank, world = dist.get_rank(), dist.get_world_size()
     results = {}
-    for mode in ('local', 'lossless'):
+    for mode, method in (
+        ('local', 'eigen'),
+        ('lossless', 'eigen'),
+        ('local', 'ekfac'),
+    ):
         model = _mlp()
         for module in model:
             if isinstance(module, nn.Linear):
                 fully_shard(module)
         fully_shard(model)
-        grads = _step_grads(model, mode, (rank, world))
-        results[mode] = [g.tolist() for g in grads]
+        grads = _step_grads(model, mode, (rank, world), compute_method=method)
+        key = mode if method == 'eigen' else f'{mode}-{method}'
+        results[key] = [g.tolist() for g in grads]
     # An embedding: sharded along the side of its diagonal A.
     embedding, gathered = {}, {}
     for mode in ('local', 'lossless'):
@@ -184,6 +214,13 @@ def test_local_mode_is_the_block_diagonal_solve(
             label = f'FSDP2 {mode} mode W={world_size} vs dense solve'
             WORST[label] = max(WORST.get(label, 0.0), error)
             assert error <= 1e-10, (label, error)
+    for actual, expected in zip(got['local-ekfac'], _masked_ekfac(world_size)):
+        error = relative_error(
+            torch.tensor(actual, dtype=torch.float64), expected
+        )
+        label = f'FSDP2 local EKFAC W={world_size} vs masked one process'
+        WORST[label] = max(WORST.get(label, 0.0), error)
+        assert error <= 1e-10, (label, error)
     differs = max(
         relative_error(torch.tensor(a), torch.tensor(b))
         for a, b in zip(got['local'], got['lossless'])

@@ -82,38 +82,15 @@ Damping `λ`:
   `π = sqrt((tr A / dim A) / (tr G / dim G))`. The damped Kronecker
   product has eigenvalues `d_A d_G + λ + √λ (d_A / π + π d_G)`, so the
   same `λ` damps at least as much as with EIGEN.
+* EKFAC keeps EIGEN's eigenbases and replaces `d_G d_Aᵀ` by the
+  per-example second moment `S` in them:
+  `V' = Q_G [(Q_Gᵀ V Q_A) / (S + λ)] Q_Aᵀ`
+  (see [`kfac.math.ekfac`][kfac.math.ekfac], which also refreshes
+  eigenbases from a warm start).
 
-A weight tied in transposed roles (an `nn.Embedding` whose weight `E`,
-shape `(V, d)`, is also the weight of a bias-free output head
-`s = E h`) is preconditioned in the embedding's orientation, with the
-gradient matrix `V = (∇E)ᵀ` of shape `(d, V)`. Each use brings its own
-Kronecker term: the embedding `A_e ⊗ G_e` (`A_e` the diagonal `(V, V)`
-token counts, `G_e` `(d, d)`), and the head, whose gradient matrix is
-`Vᵀ`, `A_h ⊗ G_h` on `vec(Vᵀ)`, which is `G_h ⊗ A_h` on `vec(V)` (`G_h`
-`(V, V)`, `A_h` `(d, d)`). Dropping the covariance between the two uses'
-gradients (as K-FAC drops it between layers),
-
-`F ≈ Σ_u X_u ⊗ Y_u` with `(X_e, Y_e) = (A_e, G_e)`, `(X_h, Y_h) = (G_h, A_h)`,
-
-approximated by one Kronecker product `X̄ ⊗ Ȳ`
-([`kronecker_sum_factors`][kfac.math.kronecker_sum_factors]): with
-`m(T) = tr T / dim T` (mean eigenvalue) and `C = Σ_u m(X_u) m(Y_u)`,
-
-`X̄ = Σ_u m(Y_u) X_u / √C`,  `Ȳ = Σ_u m(X_u) Y_u / √C`.
-
-Equivalently, each term is normalised to unit mean eigenvalue on both
-sides and the normalised factors are averaged with weights
-`m(X_u) m(Y_u) / C`, the product carrying the total `C`. So
-`tr(X̄ ⊗ Ȳ) = tr F` always; it is exact when one use contributes (a use
-with a zero factor drops out), when the uses are identical (`2 X ⊗ Y`),
-and more generally when all `X_u` (or all `Y_u`) are proportional. A
-plain sum `(Σ X_u) ⊗ (Σ Y_u)` is wrong in scale when the two uses differ
-in scale; `((1/k) Σ s_u X_u) ⊗ (Σ Y_u / s_u)` (trace-balanced terms) is
-exact for identical uses but not for one vanishing use. With `C = 0`
-(no statistics) the factors are the plain sums. `X̄` is `(V, V)` and
-dense, so with `max_factor_dim` it is split into diagonal blocks like
-any factor; the rule is then applied to each block (tile) with that
-block's traces.
+A weight tied in transposed roles (an embedding and its output head) is
+preconditioned with one Kronecker product combining both uses (see
+[`kfac.math.tied`][kfac.math.tied]).
 
 ## Clipping the step
 
@@ -137,8 +114,15 @@ from __future__ import annotations
 
 import torch
 
-KL_CLIP_RULES = ('kl', 'relative')
-"""The rules of the clip (`kl_clip_rule`), described above."""
+from kfac.math.clip import KL_CLIP_RULES
+from kfac.math.clip import kl_clip_scale
+from kfac.math.clip import relative_clip_scale
+from kfac.math.ekfac import damped_reciprocal
+from kfac.math.ekfac import eigenbasis_scale
+from kfac.math.ekfac import onehot_scale
+from kfac.math.ekfac import rotate_onehot
+from kfac.math.ekfac import subspace_iteration
+from kfac.math.tied import kronecker_sum_factors
 
 __all__ = [
     'KL_CLIP_RULES',
@@ -146,15 +130,20 @@ __all__ = [
     'compute_dtype',
     'damped_inverse',
     'damped_inverse_ex',
+    'damped_reciprocal',
     'eigen_precondition',
+    'eigenbasis_scale',
     'eigenvalue_outer_product',
     'gram',
     'inverse_precondition',
     'kl_clip_scale',
     'kronecker_sum_factors',
+    'onehot_scale',
     'pi_correction',
     'relative_clip_scale',
+    'rotate_onehot',
     'running_average',
+    'subspace_iteration',
     'symmetric_eigh',
 ]
 
@@ -367,115 +356,3 @@ def inverse_precondition(
 ) -> torch.Tensor:
     """Return `G⁻¹ V A⁻¹` for `V` of shape `(out, in[+1])`."""
     return g_inv @ grad @ a_inv
-
-
-def _mean_eigenvalue(factor: torch.Tensor) -> torch.Tensor:
-    """`tr F / dim F` (0-d) of a matrix or of a diagonal given as a vector."""
-    diagonal = factor if factor.dim() == 1 else torch.diagonal(factor)
-    return diagonal.mean()
-
-
-def _dense_sum(
-    factors: list[torch.Tensor], coefs: list[torch.Tensor]
-) -> torch.Tensor:
-    """`Σ c F` as a dense matrix (a vector is a diagonal)."""
-    dim = factors[0].shape[0]
-    out = factors[0].new_zeros((dim, dim))
-    for factor, coef in zip(factors, coefs):
-        if factor.dim() == 1:
-            out.diagonal().add_(factor * coef)
-        else:
-            out.add_(factor * coef)
-    return out
-
-
-def kronecker_sum_factors(
-    terms: list[tuple[torch.Tensor, torch.Tensor]],
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """One Kronecker product `X̄ ⊗ Ȳ` standing for `Σ_u X_u ⊗ Y_u`.
-
-    `X̄ = Σ_u m(Y_u) X_u / √C`, `Ȳ = Σ_u m(X_u) Y_u / √C`, with
-    `m(T) = tr T / dim T` and `C = Σ_u m(X_u) m(Y_u)`; the plain sums when
-    `C` is not positive (see the module docstring for why). No host
-    synchronisation.
-
-    Args:
-        terms: `(X_u, Y_u)` pairs of symmetric positive semi-definite
-            factors, `X_u` of shape `(n, n)` and `Y_u` `(m, m)`, or either
-            given as its diagonal, `(n,)` or `(m,)`.
-
-    Returns:
-        `X̄` `(n, n)` and `Ȳ` `(m, m)`, dense.
-
-    Examples:
-        >>> x, y = torch.diag(torch.tensor([1.0, 3.0])), torch.eye(1) * 8
-        >>> xs, ys = kronecker_sum_factors([(x, y)])
-        >>> torch.equal(torch.kron(xs, ys), torch.kron(x, y))
-        True
-        >>> xs, ys = kronecker_sum_factors([(x, y), (x, y)])
-        >>> torch.allclose(torch.kron(xs, ys), 2 * torch.kron(x, y))
-        True
-    """
-    if not terms:
-        raise ValueError('terms must hold at least one (X, Y) pair; got []')
-    mx = [_mean_eigenvalue(x) for x, _ in terms]
-    my = [_mean_eigenvalue(y) for _, y in terms]
-    total = torch.stack([a * b for a, b in zip(mx, my)]).sum()
-    ok = (total > 0) & torch.isfinite(total)
-    root = torch.where(ok, total, torch.ones_like(total)).sqrt()
-    one = torch.ones_like(total)
-    x_coefs = [torch.where(ok, m / root, one) for m in my]
-    y_coefs = [torch.where(ok, m / root, one) for m in mx]
-    return (
-        _dense_sum([x for x, _ in terms], x_coefs),
-        _dense_sum([y for _, y in terms], y_coefs),
-    )
-
-
-def kl_clip_scale(
-    vg_sum: torch.Tensor,
-    lr: float,
-    kl_clip: float,
-) -> torch.Tensor:
-    """Return `ν = min(1, sqrt(κ / |lr² · vg_sum|))` as a 0-d tensor.
-
-    A zero `vg_sum` gives `ν = 1`. Computed without a host
-    synchronisation.
-
-    Args:
-        vg_sum: `Σ V' ⊙ V` over all preconditioned layers (0-d tensor).
-        lr: the optimizer's learning rate.
-        kl_clip: `κ`.
-
-    """
-    denom = (vg_sum * (lr * lr)).abs()
-    scale: torch.Tensor = torch.sqrt(kl_clip / denom).clamp(max=1.0)
-    return scale
-
-
-def relative_clip_scale(
-    raw_sq: torch.Tensor, preconditioned_sq: torch.Tensor, bound: float
-) -> torch.Tensor:
-    """Return `ν = min(1, κ sqrt(raw_sq / preconditioned_sq))` (0-d).
-
-    A zero `preconditioned_sq` gives `ν = 1`. Computed without a host
-    synchronisation.
-
-    Args:
-        raw_sq: `Σ ‖V‖²` over the preconditioned layers (0-d tensor).
-        preconditioned_sq: `Σ ‖V'‖²` over the same layers (0-d tensor).
-        bound: `κ`, the largest ratio of the preconditioned to the raw
-            gradient norm.
-
-    Examples:
-        >>> relative_clip_scale(torch.tensor(1.0), torch.tensor(16.0), 2.0)
-        tensor(0.5000)
-        >>> relative_clip_scale(torch.tensor(1.0), torch.tensor(0.0), 2.0)
-        tensor(1.)
-
-    """
-    ratio = torch.sqrt(raw_sq / preconditioned_sq) * bound
-    scale: torch.Tensor = torch.where(
-        preconditioned_sq > 0, ratio, torch.ones_like(ratio)
-    ).clamp(max=1.0)
-    return scale
