@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import copy
 import logging
+import sys
 from collections.abc import Callable
 from collections.abc import Iterable
 from collections.abc import Mapping
 from typing import Any
+from typing import cast
 
 import torch
 from torch import nn
@@ -53,12 +55,27 @@ __all__ = ['FractionLike', 'KFACConfig', 'KFACPreconditioner']
 logger = logging.getLogger(__name__)
 
 
+def _compiled(model: nn.Module) -> bool:
+    """Whether `model` is the wrapper `torch.compile(module)` returns
+    (without importing the compiler: no such wrapper exists before it is
+    imported).
+    """
+    frames = sys.modules.get('torch._dynamo.eval_frame')
+    wrapper = getattr(frames, 'OptimizedModule', None)
+    return wrapper is not None and isinstance(model, wrapper)
+
+
 def _unwrap(model: nn.Module) -> nn.Module:
-    """The model inside a `DistributedDataParallel` wrapper."""
-    if isinstance(model, nn.parallel.DistributedDataParallel):
-        inner: nn.Module = model.module
-        return inner
-    return model
+    """The model inside its `DistributedDataParallel` and `torch.compile`
+    wrappers (in any order), so that layer names do not depend on them.
+    """
+    while True:
+        if isinstance(model, nn.parallel.DistributedDataParallel):
+            model = model.module
+        elif _compiled(model):
+            model = cast(nn.Module, model._orig_mod)
+        else:
+            return model
 
 
 _EIGENBASES = {
@@ -99,8 +116,9 @@ class KFACPreconditioner(BaseKFACPreconditioner):
     which `config` holds.
 
     Args:
-        model: the model (a `DistributedDataParallel` wrapper is looked
-            through, so layer names are the same with and without it).
+        model: the model (`DistributedDataParallel` and `torch.compile`
+            wrappers are looked through, so layer names and checkpoints are
+            the same with and without them).
         factor_update_steps: steps between factor updates.
         inv_update_steps: steps between decompositions.
         damping: `λ` (EIGEN: added to the Kronecker product exactly;

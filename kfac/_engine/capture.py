@@ -20,6 +20,16 @@ Data is captured only on the steps that update factors, in training mode,
 with gradients enabled and while the module's weight requires a gradient.
 A hook on each weight's gradient accumulation tells whether any backward
 pass ran since the last `step()`.
+
+Each call is a numbered *ticket* that the call's gradient brings back. In
+eager mode the ticket rides on a gradient hook of the call's output; in a
+region traced by `torch.compile` the forward hook instead calls the
+custom operators of [`kfac._engine.taps`][kfac._engine.taps], which run
+the same code when the compiled graph runs, so K-FAC adds no graph break
+and no recompilation to the model's forward. Training mode, grad mode and
+`requires_grad` are read when the hook runs (or is traced: the compiler
+guards on them); whether the step updates factors is read when the call
+runs.
 """
 
 from __future__ import annotations
@@ -27,6 +37,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import itertools
 import logging
 import weakref
 from collections.abc import Callable
@@ -39,6 +50,11 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
+from kfac._engine.taps import EFFECTS
+from kfac._engine.taps import GradTap
+from kfac._engine.taps import capture_input
+from kfac._engine.taps import register_receiver
+from kfac._engine.taps import unregister_receiver
 from kfac.layers.base import KFACBaseLayer
 from kfac.layers.factor import Captured
 
@@ -121,6 +137,19 @@ def _inert(*args: object) -> None:
     """What a copied model's K-FAC hooks do: nothing."""
 
 
+def _by_module(
+    modules: Mapping[str, Sequence[nn.Module]],
+) -> dict[nn.Module, tuple[str, ...]]:
+    """Per module, in first-seen order, the layers whose calls its calls
+    are (several for the tiles or groups of one module).
+    """
+    names: dict[nn.Module, tuple[str, ...]] = {}
+    for name, owners in modules.items():
+        for module in owners:
+            names[module] = (*names.get(module, ()), name)
+    return names
+
+
 class _Hook:
     """A hook of the capture. A deep copy of the model (an EMA or
     evaluation copy) gets an inert hook instead of a copy of the whole
@@ -192,17 +221,30 @@ class Capture:
         self._weights = {
             name: layer.module.weight for name, layer in layers.items()
         }
+        self._receiver = register_receiver(self)
+        self._calls: dict[int, tuple[tuple[str, Captured], ...]] = {}
+        self._numbers = itertools.count()
+        self._slots: list[tuple[str, ...]] = []
+        """Per hooked module, the layers its calls are calls of."""
+        self._hooked: list[nn.Module] = []
+        self._slot_weights: list[torch.Tensor] = []
+        self._seen = False
+        """Whether a hooked call ran since the last `take_fresh`."""
         self._handles: list[RemovableHandle] = []
-        for name, layer in layers.items():
-            for module in self._modules[name]:
-                self._handles.append(
-                    module.register_forward_hook(
-                        _Hook(functools.partial(self._forward_hook, name))
-                    )
-                )
-                _OWNERS[module] = weakref.ref(self)
+        for module, names in _by_module(self._modules).items():
+            key = torch.tensor([self._receiver, len(self._slots)])
             self._handles.append(
-                layer.module.weight.register_post_accumulate_grad_hook(
+                module.register_forward_hook(
+                    _Hook(functools.partial(self._forward_hook, key))
+                )
+            )
+            self._slots.append(names)
+            self._hooked.append(module)
+            self._slot_weights.append(self._weights[names[0]])
+            _OWNERS[module] = weakref.ref(self)
+        for weight in self._weights.values():
+            self._handles.append(
+                weight.register_post_accumulate_grad_hook(
                     _Hook(self._accumulated)
                 )
             )
@@ -235,26 +277,59 @@ class Capture:
         """Whether the hooks are registered (until `remove`)."""
         return bool(self._handles)
 
-    def capturing(self, module: nn.Module) -> bool:
-        """Whether a forward pass of `module` now is captured."""
-        return module.training and torch.is_grad_enabled() and self._active()
-
     def _forward_hook(
         self,
-        name: str,
+        key: torch.Tensor,
         module: nn.Module,
         inputs: tuple[Any, ...],
         output: Any,
-    ) -> None:
-        layer = self._layers[name]
+    ) -> Any:
+        """Capture a call of `module` whose output needs a gradient; in a
+        traced region, through the operators (returns the tapped output).
+
+        `key` is `[receiver, slot]`, a tensor so that a hook traced alone
+        (when the model's own frame runs eagerly) is one graph for every
+        module: nothing read here differs between modules.
+        """
         if not (
-            self.capturing(module)
-            and layer.module.weight.requires_grad
+            module.training
+            and torch.is_grad_enabled()
             and isinstance(output, torch.Tensor)
             and output.requires_grad
         ):
-            return
-        if self.grad_scaler is None and _fp16_autocast(output):
+            return None
+        fp16 = _fp16_autocast(output)
+        layer_input = inputs[0].detach()
+        if EFFECTS and torch.compiler.is_compiling():
+            like = torch.empty(0, dtype=output.dtype, device=output.device)
+            ticket, anchor = capture_input(layer_input, like, key, fp16)
+            # Function.apply carries no annotations in torch
+            return GradTap.apply(output, ticket, anchor)  # type: ignore[no-untyped-call]
+        eager = self.on_input(key, layer_input, fp16)
+        if eager is not None:
+            output.register_hook(functools.partial(self.on_grad, eager))
+        return None
+
+    def on_input(
+        self, key: torch.Tensor, layer_input: torch.Tensor, fp16: bool
+    ) -> torch.Tensor | None:
+        """Capture one call's input for the layers of a hooked module, if
+        the step updates factors and the module's weight is trained.
+
+        Args:
+            key: `[receiver, slot]`, the module's key.
+            layer_input: its input.
+            fp16: whether the call ran under float16 autocast.
+
+        Returns:
+            The call's ticket (None: not captured). The call is forgotten
+            when the ticket is freed.
+        """
+        self._seen = True
+        slot = int(key[1])
+        if not (self._active() and self._slot_weights[slot].requires_grad):
+            return None
+        if fp16 and self.grad_scaler is None:
             self._log_once(
                 'fp16-no-scaler',
                 '',
@@ -263,37 +338,48 @@ class Capture:
                 'loss as KFACPreconditioner(..., grad_scaler=scaler), or G '
                 'is inflated by the loss scale',
             )
-        layer.follow_module()
-        with self._phase('factor_capture'):
-            captured = layer.prepare_input(inputs[0], now=self.in_hook)
-        self._tallies[name].pending += 1
-        output.register_hook(
-            functools.partial(self._grad_hook, name, captured)
-        )
+        captures = []
+        for name in self._slots[slot]:
+            layer = self._layers[name]
+            layer.follow_module()
+            with self._phase('factor_capture'):
+                captured = layer.prepare_input(layer_input, now=self.in_hook)
+            self._tallies[name].pending += 1
+            captures.append((name, captured))
+        number = next(self._numbers)
+        self._calls[number] = tuple(captures)
+        ticket = torch.tensor([self._receiver, number], dtype=torch.int64)
+        weakref.finalize(ticket, self._calls.pop, number, None)
+        return ticket
 
-    def _grad_hook(
-        self, name: str, captured: Captured, grad: torch.Tensor
-    ) -> None:
-        layer = self._layers[name]
+    def on_grad(self, ticket: torch.Tensor, grad: torch.Tensor) -> None:
+        """Add the call of `ticket` with its output gradient `grad`
+        (nothing after `remove`).
+        """
+        call = self._calls.pop(int(ticket[1]), None)
+        if call is None or not self.attached:
+            return
         scale = self.loss_scale()
-        with self._phase('factor_capture'):
-            examples = layer.add_call(
-                captured,
-                grad,
-                loss_scale=scale,
-                accumulation_steps=self.accumulation_steps,
-                now=self.in_hook,
-            )
-        tally = self._tallies[name]
-        tally.fired += 1
-        tally.examples = max(tally.examples, examples)
-        if tally.fired >= tally.pending:
-            self._complete(name)
-        elif not self._queued:
-            self._queued = True
-            # No public end-of-backward callback: the one DDP and FSDP use.
-            engine = torch.autograd.Variable._execution_engine
-            engine.queue_callback(self.flush)
+        for name, captured in call:
+            with self._phase('factor_capture'):
+                examples = self._layers[name].add_call(
+                    captured,
+                    grad,
+                    loss_scale=scale,
+                    accumulation_steps=self.accumulation_steps,
+                    now=self.in_hook,
+                )
+            tally = self._tallies[name]
+            tally.fired += 1
+            tally.examples = max(tally.examples, examples)
+            if tally.fired >= tally.pending:
+                self._complete(name)
+            elif not self._queued:
+                self._queued = True
+                # No public end-of-backward callback: the one DDP and FSDP
+                # use.
+                engine = torch.autograd.Variable._execution_engine
+                engine.queue_callback(self.flush)
 
     def _complete(self, name: str) -> None:
         """End a module's backward pass: count its examples."""
@@ -327,7 +413,10 @@ class Capture:
             RuntimeError: a registered module's weight is no longer the
                 parameter it had when the hooks were registered (the model
                 was sharded with `fully_shard`, or `.weight` reassigned,
-                after the preconditioner was built).
+                after the preconditioner was built); or a backward pass
+                reached the weights of modules in training mode but none of
+                the forward hooks ran (a graph compiled before the hooks
+                were added).
         """
         for name, weight in self._weights.items():
             if self._layers[name].module.weight is not weight:
@@ -338,6 +427,17 @@ class Capture:
                     'the model is sharded or wrapped',
                 )
         fresh, self._fresh = self._fresh, False
+        seen, self._seen = self._seen, False
+        if fresh and not seen and any(m.training for m in self._hooked):
+            raise RuntimeError(
+                'K-FAC: a backward pass reached the registered weights but '
+                "none of K-FAC's forward hooks ran since the last step(): "
+                'the model runs a graph torch.compile made before the '
+                'preconditioner was built (torch._dynamo does not notice '
+                'hooks added to a module that had none). Build the '
+                'preconditioner before the first call of the compiled '
+                'model, or call torch._dynamo.reset() after building it',
+            )
         weights = [layer.module.weight for layer in self._layers.values()]
         return fresh or not any(w.requires_grad for w in weights)
 
@@ -382,7 +482,11 @@ class Capture:
             self._tallies[name] = _Tally()
 
     def remove(self) -> None:
-        """Remove every hook."""
+        """Remove every hook; operators in compiled graphs that outlive
+        them do nothing.
+        """
         for handle in self._handles:
             handle.remove()
         self._handles = []
+        unregister_receiver(self._receiver)
+        self._calls.clear()

@@ -1,0 +1,178 @@
+"""How a compiled model hands K-FAC its layer inputs and output gradients.
+
+`torch.compile` traces the forward hooks of the capture into the model's
+graph. Python code that changes K-FAC's objects cannot be traced (each
+hook would break the graph and recompile per layer), so inside a traced
+region the hooks call two custom operators, opaque to the compiler, that
+run K-FAC's Python code when the compiled graph runs:
+
+* `kfac::capture_input(input, like, key, fp16)` hands a module call's
+  input to the receiver named by `key`, `[receiver, slot]` (a
+  [`Capture`][kfac._engine.capture.Capture]) and returns the call's
+  *ticket*, an `int64` tensor `[receiver, call]` (call `-1`: not
+  captured), and an *anchor*, a zero of the dtype and device of `like`;
+* `kfac::capture_grad(grad, ticket)` hands the gradient of that call's
+  output to the receiver, in the backward pass.
+
+`GradTap`, an autograd function that adds the anchor to the module output
+(a new tensor equal to it), carries the ticket from the first to the
+second: it saves the ticket and its backward calls `capture_grad`. A call
+whose output gets no gradient frees its ticket with its graph (the
+receiver forgets the call then).
+
+What keeps the compiler from dropping, moving or merging the operators:
+
+* `capture_grad` returns nothing: it is registered as an *ordered
+  effect*, which the compiler keeps in place.
+* `capture_input` is needed by the forward pass through the anchor, so it
+  runs in the forward pass (a value needed only by the backward pass
+  would be computed there, after other calls' gradients). Each call gets
+  its own `like`, an empty tensor made by the hook, so that
+  common-subexpression elimination cannot merge two calls of a module on
+  the same input (empty tensors are never merged). It is not an effect:
+  the partitioner of torch 2.13 saves the effect token of an effectful
+  operator inside an activation-checkpointed region for the backward
+  pass, which then fails. In such a region it is recomputed in the
+  backward pass: a call of its own, whose gradient arrives while the
+  original's ticket was freed unused (as a recomputed forward hook in
+  eager mode).
+
+Both operators are tagged `cudagraph_unsafe`, so inductor keeps them out
+of CUDA graphs. Receivers are found by number in a weak registry: a
+compiled graph that outlives its preconditioner (`remove()`) calls
+operators that do nothing.
+"""
+
+from __future__ import annotations
+
+import itertools
+import weakref
+from typing import Any
+from typing import Protocol
+
+import torch
+
+__all__ = ['EFFECTS', 'GradTap', 'Receiver', 'register_receiver']
+
+
+class Receiver(Protocol):
+    """What the operators call (a `Capture`)."""
+
+    def on_input(
+        self, key: torch.Tensor, layer_input: torch.Tensor, fp16: bool
+    ) -> torch.Tensor | None:
+        """Capture one call's input; its ticket, or None (not captured)."""
+
+    def on_grad(self, ticket: torch.Tensor, grad: torch.Tensor) -> None:
+        """Capture the output gradient of the call of `ticket`."""
+
+
+_RECEIVERS: weakref.WeakValueDictionary[int, Any] = (
+    weakref.WeakValueDictionary()
+)
+_NUMBERS = itertools.count()
+
+
+def register_receiver(receiver: Receiver) -> int:
+    """Register `receiver` (weakly); its number for the operators."""
+    number = next(_NUMBERS)
+    _RECEIVERS[number] = receiver
+    return number
+
+
+def unregister_receiver(number: int) -> None:
+    """Let the operators of receiver `number` do nothing from now on."""
+    _RECEIVERS.pop(number, None)
+
+
+def no_ticket(receiver: int) -> torch.Tensor:
+    """The ticket of a call that is not captured."""
+    return torch.tensor([receiver, -1], dtype=torch.int64)
+
+
+def _capture_input(
+    layer_input: torch.Tensor,
+    like: torch.Tensor,
+    key: torch.Tensor,
+    fp16: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    receiver = int(key[0])
+    target = _RECEIVERS.get(receiver)
+    ticket = (
+        None if target is None else target.on_input(key, layer_input, fp16)
+    )
+    anchor = like.new_zeros(())
+    return (no_ticket(receiver) if ticket is None else ticket), anchor
+
+
+def _capture_grad(grad: torch.Tensor, ticket: torch.Tensor) -> None:
+    receiver, call = ticket.tolist()
+    target = _RECEIVERS.get(receiver)
+    if target is not None and call >= 0:
+        target.on_grad(ticket, grad)
+
+
+_TAGS = tuple(
+    tag
+    for tag in (getattr(torch.Tag, 'cudagraph_unsafe', None),)
+    if tag is not None
+)
+_EFFECT = getattr(torch.library, 'EffectType', None)
+
+capture_input = torch.library.custom_op(
+    'kfac::capture_input', _capture_input, mutates_args=(), tags=_TAGS
+)
+capture_grad = torch.library.custom_op(
+    'kfac::capture_grad', _capture_grad, mutates_args=(), tags=_TAGS
+)
+
+
+@capture_input.register_fake
+def _capture_input_fake(
+    layer_input: torch.Tensor,
+    like: torch.Tensor,
+    key: torch.Tensor,
+    fp16: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.empty(2, dtype=torch.int64), like.new_empty(())
+
+
+@capture_grad.register_fake
+def _capture_grad_fake(grad: torch.Tensor, ticket: torch.Tensor) -> None:
+    return None
+
+
+EFFECTS = _EFFECT is not None and hasattr(capture_grad, 'register_effect')
+"""Whether this torch registers custom operators as ordered effects (the
+compiled capture needs it for `capture_grad`; without it the hooks run in
+Python and break the graph)."""
+if EFFECTS:
+    capture_grad.register_effect(_EFFECT.ORDERED)  # type: ignore[union-attr]
+
+
+class GradTap(torch.autograd.Function):
+    """`output + anchor` (equal to `output`), whose backward hands the
+    gradient to `capture_grad` with the call's ticket.
+
+    A new tensor rather than a view of `output`: a module output is often
+    changed in place next (`nn.ReLU(inplace=True)`), which autograd forbids
+    on a view made by a custom function.
+    """
+
+    @staticmethod
+    def forward(
+        ctx: Any,
+        output: torch.Tensor,
+        ticket: torch.Tensor,
+        anchor: torch.Tensor,
+    ) -> Any:
+        """Keep the ticket; return `output + anchor`."""
+        ctx.save_for_backward(ticket)
+        return output + anchor
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> Any:
+        """Hand `grad` over; pass it on unchanged."""
+        (ticket,) = ctx.saved_tensors
+        capture_grad(grad, ticket)
+        return grad, None, None

@@ -1,0 +1,286 @@
+"""K-FAC on models compiled with `torch.compile`: equal to eager, no graph
+break and no recompilation from K-FAC, the capture rules, layer names and
+checkpoints.
+
+Models and batches are tiny: each compilation (inductor, the default
+backend, generating C++ on the CPU) takes seconds. Equality is checked in
+float64, which inductor compiles on the CPU; its kernels sum in another
+order than eager's, hence the tolerances below (float64 rounding, grown
+over a few steps through the eigendecompositions).
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+from collections.abc import Callable
+from typing import Any
+from typing import cast
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch._dynamo.testing import CompileCounter
+
+from kfac.preconditioner import KFACPreconditioner
+from testing.models import AttentionNet
+from testing.models import TinyCNN
+from testing.models import TinyMLP
+from testing.models import classification_data
+
+F64 = torch.float64
+RTOL, ATOL = 1e-9, 1e-12
+"""Compiled against eager, float64, after a few steps."""
+
+
+def _compile(model: nn.Module, **options: Any) -> nn.Module:
+    return cast(nn.Module, torch.compile(model, **options))
+
+
+@pytest.fixture(autouse=True)
+def _fresh_compiler() -> None:
+    """Each test compiles its own graphs (and a graph left by another test
+    cannot stand in for one with K-FAC's hooks).
+    """
+    torch._dynamo.reset()
+
+
+def _state(
+    model: nn.Module, precon: KFACPreconditioner
+) -> dict[str, torch.Tensor]:
+    out = {f'param.{k}': v.detach() for k, v in model.named_parameters()}
+    for name, layer in precon.layers.items():
+        for factor in layer.factors:
+            assert factor.value is not None, (name, factor.name)
+            out[f'{name}.{factor.name}'] = factor.value
+    return out
+
+
+def _train(
+    net: nn.Module,
+    precon: KFACPreconditioner,
+    batches: list[tuple[torch.Tensor, torch.Tensor]],
+) -> None:
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    for x, y in batches:
+        opt.zero_grad()
+        F.cross_entropy(net(x), y).backward()
+        precon.step()
+        opt.step()
+
+
+MODELS: dict[str, tuple[Callable[[], nn.Module], tuple[int, ...]]] = {
+    'mlp': (TinyMLP, (6,)),
+    'cnn': (TinyCNN, (2, 8, 8)),
+    'attention': (AttentionNet, (5, 8)),
+}
+
+
+@pytest.mark.parametrize('kind', list(MODELS))
+def test_compiled_model_equals_eager(kind: str) -> None:
+    make, shape = MODELS[kind]
+    torch.manual_seed(0)
+    model = make().double()
+    twin = copy.deepcopy(model)
+    options: dict[str, Any] = {'factor_decay': 0.5, 'lr': 0.1}
+    eager = KFACPreconditioner(model, **options)
+    compiled_model = _compile(twin)
+    compiled = KFACPreconditioner(compiled_model, **options)
+    assert list(compiled.layers) == list(eager.layers)
+    batches = [classification_data(8, shape, seed=s) for s in range(3)]
+    _train(model, eager, batches)
+    _train(compiled_model, compiled, batches)
+    mine, reference = _state(twin, compiled), _state(model, eager)
+    assert mine.keys() == reference.keys()
+    for key, value in reference.items():
+        torch.testing.assert_close(
+            mine[key], value, rtol=RTOL, atol=ATOL, msg=key
+        )
+
+
+# Graph breaks and recompilation ---------------------------------------------
+
+
+class _Deep(nn.Module):
+    """`depth` Linear layers with a tanh between; optionally a graph break
+    of the model's own inside the loop over the layers (dynamo then runs
+    the model's frame eagerly and compiles what it calls).
+    """
+
+    def __init__(
+        self, depth: int, width: int = 4, own_break: bool = False
+    ) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(
+            nn.Linear(width, width) for _ in range(depth)
+        )
+        self.own_break = own_break
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = torch.tanh(layer(x))
+            if self.own_break:
+                torch._dynamo.graph_break()
+        return x
+
+
+class _Broken(nn.Module):
+    """Two Linear layers with a graph break of the model's own between."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(4, 4)
+        self.fc2 = nn.Linear(4, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.fc1(x))
+        torch._dynamo.graph_break()
+        out: torch.Tensor = self.fc2(h)
+        return out
+
+
+@pytest.mark.parametrize(
+    ('make', 'graphs'), [(lambda: _Deep(3), 1), (_Broken, 2)]
+)
+def test_kfac_adds_no_graph_break(
+    make: Callable[[], nn.Module], graphs: int
+) -> None:
+    """`torch._dynamo.explain` counts the same graphs and breaks with and
+    without K-FAC's hooks (none, or the model's own one).
+    """
+    x = torch.randn(3, 4)
+    counts = []
+    for with_kfac in (False, True):
+        torch._dynamo.reset()
+        model = make()
+        precon = KFACPreconditioner(model) if with_kfac else None
+        explained = torch._dynamo.explain(model)(x)
+        counts.append((explained.graph_count, explained.graph_break_count))
+        if precon is not None:
+            precon.remove()
+    assert counts[0] == counts[1] == (graphs, graphs - 1)
+
+
+def _step(
+    compiled: nn.Module, precon: KFACPreconditioner, x: torch.Tensor
+) -> None:
+    compiled(x).sum().backward()
+    precon.step()
+
+
+@pytest.mark.parametrize('own_break', [False, True])
+def test_twenty_layers_compile_once(
+    own_break: bool, caplog: pytest.LogCaptureFixture
+) -> None:
+    """20 hooked layers compile once, over steps that capture and steps
+    that do not (no recompile-limit warning), with `fullgraph=True`; a
+    model whose own frame dynamo runs eagerly (a graph break inside its
+    loop) gets K-FAC's hook compiled alone: one graph for every layer
+    (two: the first layer's input needs no gradient), not one per layer.
+    Every layer is captured.
+    """
+    counter = CompileCounter()
+    torch.manual_seed(0)
+    model = _Deep(20, own_break=own_break)
+    compiled = _compile(model, backend=counter, fullgraph=not own_break)
+    precon = KFACPreconditioner(compiled, factor_update_steps=2)
+    x = torch.randn(3, 4)
+    with caplog.at_level(logging.WARNING):
+        for _ in range(4):
+            _step(compiled, precon, x)
+    # own frames of the model: Linear.forward with and without an input
+    # needing a gradient; K-FAC's: its hook, likewise
+    assert counter.frame_count == (4 if own_break else 1)
+    assert 'recompile' not in caplog.text
+    assert precon.steps == 4
+    assert all(layer.has_factors for layer in precon.layers.values())
+
+
+# Names, checkpoints and the preconditioner's lifetime ------------------------
+
+
+def test_checkpoint_round_trip_compiled_eager_compiled() -> None:
+    """A preconditioner names its layers without `_orig_mod.`; its state
+    loads into one on the eager model and back, and training on from it
+    compiled equals training on eagerly.
+    """
+    torch.manual_seed(0)
+    model = TinyMLP().double()
+    batches = [classification_data(8, (6,), seed=s) for s in range(3)]
+    compiled_model = _compile(model)
+    first = KFACPreconditioner(compiled_model)
+    assert list(first.layers) == ['fc1', 'fc2']
+    _train(compiled_model, first, batches[:1])
+    eager_model = copy.deepcopy(model)
+    eager = KFACPreconditioner(eager_model)
+    eager.load_state_dict(first.state_dict())
+    _train(eager_model, eager, batches[1:2])
+    again_model = copy.deepcopy(eager_model)
+    twin = copy.deepcopy(eager_model)
+    again_compiled = _compile(again_model)
+    again = KFACPreconditioner(again_compiled)
+    reference = KFACPreconditioner(twin)
+    state = eager.state_dict()
+    again.load_state_dict(state)
+    reference.load_state_dict(state)
+    _train(again_compiled, again, batches[2:])
+    _train(twin, reference, batches[2:])
+    mine, theirs = _state(again_model, again), _state(twin, reference)
+    for key, value in theirs.items():
+        torch.testing.assert_close(mine[key], value, rtol=RTOL, atol=ATOL)
+
+
+def test_graph_compiled_before_the_hooks_is_an_error() -> None:
+    """torch._dynamo keeps a graph traced without hooks when hooks are
+    added later: K-FAC would see nothing, so step() says so.
+    """
+    model = TinyMLP().double()
+    compiled = _compile(model, backend='eager')
+    x, y = classification_data(8, (6,))
+    compiled(x).sum().backward()  # traced without K-FAC's hooks
+    precon = KFACPreconditioner(compiled)
+    F.cross_entropy(compiled(x), y).backward()
+    with pytest.raises(RuntimeError, match=r'torch._dynamo.reset\(\)'):
+        precon.step()
+    torch._dynamo.reset()
+    model.zero_grad()
+    F.cross_entropy(compiled(x), y).backward()
+    precon.step()
+    assert all(layer.has_factors for layer in precon.layers.values())
+
+
+def test_removed_preconditioner_captures_nothing_and_a_new_one_does() -> None:
+    """remove() detaches the compiled model from the old preconditioner
+    (dynamo recompiles for the changed hooks) and a new one captures.
+    """
+    model = TinyMLP().double()
+    compiled = _compile(model, backend='aot_eager')
+    # statistics kept until step(), so that captures can be counted
+    first = KFACPreconditioner(compiled, update_factors_in_hook=False)
+    x, y = classification_data(8, (6,))
+    F.cross_entropy(compiled(x), y).backward()
+    assert all(layer.captures == (1, 1) for layer in first.layers.values())
+    first.remove()
+    second = KFACPreconditioner(compiled, update_factors_in_hook=False)
+    F.cross_entropy(compiled(x), y).backward()
+    assert all(layer.captures == (0, 0) for layer in first.layers.values())
+    assert all(layer.captures == (1, 1) for layer in second.layers.values())
+
+
+def test_operators_of_a_removed_receiver_do_nothing() -> None:
+    """A compiled graph that outlives its preconditioner calls operators
+    that neither fail nor capture.
+    """
+    model = TinyMLP().double()
+    precon = KFACPreconditioner(model, update_factors_in_hook=False)
+    key = torch.tensor([precon._capture._receiver, 0])  # module fc1
+    x = torch.randn(2, 6, dtype=F64)
+    ticket, anchor = torch.ops.kfac.capture_input(x, x, key, False)
+    assert ticket[1] >= 0 and anchor.item() == 0
+    precon.remove()
+    stale, _ = torch.ops.kfac.capture_input(x, x, key, False)
+    assert stale.tolist() == [key[0].item(), -1]
+    torch.ops.kfac.capture_grad(torch.ones(2, 5, dtype=F64), ticket)
+    torch.ops.kfac.capture_grad(torch.ones(2, 5, dtype=F64), stale)
+    assert all(layer.captures == (0, 0) for layer in precon.layers.values())
