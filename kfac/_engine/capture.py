@@ -50,7 +50,6 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from kfac._engine.taps import EFFECTS
 from kfac._engine.taps import GradTap
 from kfac._engine.taps import capture_input
 from kfac._engine.taps import register_receiver
@@ -300,7 +299,7 @@ class Capture:
             return None
         fp16 = _fp16_autocast(output)
         layer_input = inputs[0].detach()
-        if EFFECTS and torch.compiler.is_compiling():
+        if torch.compiler.is_compiling():
             like = torch.empty(0, dtype=output.dtype, device=output.device)
             ticket, anchor = capture_input(layer_input, like, key, fp16)
             # Function.apply carries no annotations in torch
@@ -357,7 +356,7 @@ class Capture:
         (nothing after `remove`).
         """
         call = self._calls.pop(int(ticket[1]), None)
-        if call is None or not self.attached:
+        if call is None:  # forgotten by remove()
             return
         scale = self.loss_scale()
         for name, captured in call:

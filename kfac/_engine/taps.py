@@ -52,7 +52,14 @@ from typing import Protocol
 
 import torch
 
-__all__ = ['EFFECTS', 'GradTap', 'Receiver', 'register_receiver']
+__all__ = [
+    'GradTap',
+    'Receiver',
+    'capture_grad',
+    'capture_input',
+    'register_receiver',
+    'unregister_receiver',
+]
 
 
 class Receiver(Protocol):
@@ -112,12 +119,7 @@ def _capture_grad(grad: torch.Tensor, ticket: torch.Tensor) -> None:
         target.on_grad(ticket, grad)
 
 
-_TAGS = tuple(
-    tag
-    for tag in (getattr(torch.Tag, 'cudagraph_unsafe', None),)
-    if tag is not None
-)
-_EFFECT = getattr(torch.library, 'EffectType', None)
+_TAGS = (torch.Tag.cudagraph_unsafe,)
 
 capture_input = torch.library.custom_op(
     'kfac::capture_input', _capture_input, mutates_args=(), tags=_TAGS
@@ -142,12 +144,8 @@ def _capture_grad_fake(grad: torch.Tensor, ticket: torch.Tensor) -> None:
     return None
 
 
-EFFECTS = _EFFECT is not None and hasattr(capture_grad, 'register_effect')
-"""Whether this torch registers custom operators as ordered effects (the
-compiled capture needs it for `capture_grad`; without it the hooks run in
-Python and break the graph)."""
-if EFFECTS:
-    capture_grad.register_effect(_EFFECT.ORDERED)  # type: ignore[union-attr]
+# torch.library imports EffectType without listing it in __all__
+capture_grad.register_effect(torch.library.EffectType.ORDERED)  # type: ignore[attr-defined]
 
 
 class GradTap(torch.autograd.Function):

@@ -284,3 +284,27 @@ def test_operators_of_a_removed_receiver_do_nothing() -> None:
     torch.ops.kfac.capture_grad(torch.ones(2, 5, dtype=F64), ticket)
     torch.ops.kfac.capture_grad(torch.ones(2, 5, dtype=F64), stale)
     assert all(layer.captures == (0, 0) for layer in precon.layers.values())
+
+
+def test_operator_path_run_eagerly_equals_the_hook_path(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """What the hooks do in a traced region (the operators and `GradTap`),
+    run eagerly, gives the factors and gradients of the eager hooks, and
+    leaves the output unchanged (an in-place activation after a layer
+    included).
+    """
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Linear(6, 5), nn.ReLU(inplace=True), nn.Linear(5, 3)
+    )
+    model = model.double()
+    twin = copy.deepcopy(model)
+    precon = KFACPreconditioner(model)
+    reference = KFACPreconditioner(twin)
+    batches = [classification_data(8, (6,), seed=s) for s in range(2)]
+    _train(twin, reference, batches)
+    monkeypatch.setattr(torch.compiler, 'is_compiling', lambda: True)
+    _train(model, precon, batches)
+    for key, value in _state(twin, reference).items():
+        assert torch.equal(_state(model, precon)[key], value), key
