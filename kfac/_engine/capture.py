@@ -24,7 +24,7 @@ pass ran since the last `step()`.
 Each call is a numbered *ticket* that the call's gradient brings back. In
 eager mode the ticket rides on a gradient hook of the call's output; in a
 region traced by `torch.compile` the forward hook instead calls the
-custom operators of [`kfac._engine.taps`][kfac._engine.taps], which run
+custom operators of `kfac._engine.taps`, which run
 the same code when the compiled graph runs, so K-FAC adds no graph break
 and no recompilation to the model's forward. Training mode, grad mode and
 `requires_grad` are read when the hook runs (or is traced: the compiler
@@ -44,12 +44,14 @@ from collections.abc import Callable
 from collections.abc import Mapping
 from collections.abc import Sequence
 from typing import Any
-from typing import Protocol
 
 import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
+from kfac._engine.scaling import GradScalerLike
+from kfac._engine.scaling import LossScale
+from kfac._engine.scaling import fp16_autocast
 from kfac._engine.taps import GradTap
 from kfac._engine.taps import capture_input
 from kfac._engine.taps import register_receiver
@@ -59,14 +61,6 @@ from kfac.layers.factor import Captured
 
 logger = logging.getLogger(__name__)
 
-
-class _Scaler(Protocol):
-    def get_scale(self) -> float: ...
-
-
-GradScalerLike = _Scaler | Callable[[], float]
-"""A `torch.amp.GradScaler` (or the deprecated CUDA one), or a callable
-returning the current loss scale."""
 
 Phase = Callable[[str], contextlib.AbstractContextManager[None]]
 """Makes the context manager that times a phase of the step."""
@@ -78,43 +72,6 @@ name."""
 _OWNERS: weakref.WeakKeyDictionary[nn.Module, weakref.ref[Capture]] = (
     weakref.WeakKeyDictionary()
 )
-
-
-def check_grad_scaler(grad_scaler: object) -> None:
-    """Raise `TypeError` unless `grad_scaler` is None, has `get_scale()`
-    or is callable.
-    """
-    if grad_scaler is None or callable(grad_scaler):
-        return
-    if not hasattr(grad_scaler, 'get_scale'):
-        raise TypeError(
-            'grad_scaler must be None, a GradScaler or a callable '
-            f'returning the loss scale; got {grad_scaler!r}',
-        )
-
-
-def read_loss_scale(grad_scaler: GradScalerLike) -> float:
-    """The current loss scale of a scaler or a callable returning it."""
-    getter = getattr(grad_scaler, 'get_scale', None)
-    if getter is not None:
-        return float(getter())
-    return float(grad_scaler())  # type: ignore[operator]  # no get_scale: a callable
-
-
-def _scaler_unused(grad_scaler: object) -> bool:
-    """Whether a `torch.amp.GradScaler` has never scaled a loss.
-
-    Such a scaler reports its initial scale although no loss was
-    multiplied by it (its private `_scale` is created by the first
-    `scale()` call).
-    """
-    return hasattr(grad_scaler, '_scale') and grad_scaler._scale is None
-
-
-def _fp16_autocast(output: torch.Tensor) -> bool:
-    return output.dtype == torch.float16 and torch.is_autocast_enabled(
-        output.device.type
-    )
 
 
 @dataclasses.dataclass
@@ -202,13 +159,12 @@ class Capture:
     ) -> None:
         self._layers = layers
         self._active = active
-        self.grad_scaler = grad_scaler
+        self._scale = LossScale(grad_scaler, log_once)
         self.accumulation_steps = accumulation_steps
         self.in_hook = in_hook
         self._on_complete = on_complete
         self._phase = phase
         self._log_once = log_once
-        self._loss_scale: float | None = None
         self._tallies = {name: _Tally() for name in layers}
         self._queued = False
         self._fresh = False
@@ -246,15 +202,6 @@ class Capture:
                 weight.register_post_accumulate_grad_hook(
                     _Hook(self._accumulated)
                 )
-            )
-        is_enabled = getattr(grad_scaler, 'is_enabled', None)
-        if callable(is_enabled) and not is_enabled():
-            log_once(
-                'scaler-disabled',
-                '',
-                'K-FAC: the grad_scaler passed is disabled (a '
-                'torch.cuda.amp.GradScaler without CUDA, or enabled=False); '
-                'its scale is taken as 1',
             )
 
     def _warn_about_owners(self) -> None:
@@ -297,7 +244,7 @@ class Capture:
             and output.requires_grad
         ):
             return None
-        fp16 = _fp16_autocast(output)
+        fp16 = fp16_autocast(output)
         layer_input = inputs[0].detach()
         if torch.compiler.is_compiling():
             like = torch.empty(0, dtype=output.dtype, device=output.device)
@@ -445,30 +392,18 @@ class Capture:
         for layer in self._layers.values():
             layer.follow_module()
 
+    @property
+    def grad_scaler(self) -> GradScalerLike | None:
+        """The loss scaler whose scale is divided out of output gradients."""
+        return self._scale.grad_scaler
+
     def loss_scale(self) -> float:
-        """The loss scale of this step, read once per step (1 without a
-        scaler, or with one that has not scaled the loss).
-        """
-        scaler = self.grad_scaler
-        if scaler is None:
-            return 1.0
-        if self._loss_scale is None:
-            if _scaler_unused(scaler):
-                self._log_once(
-                    'scaler-unused',
-                    '',
-                    'K-FAC: the grad_scaler passed has not scaled the loss '
-                    '(call scaler.scale(loss).backward()); its scale is '
-                    'taken as 1',
-                )
-                self._loss_scale = 1.0
-            else:
-                self._loss_scale = read_loss_scale(scaler)
-        return self._loss_scale
+        """The loss scale of this step (see `LossScale.value`)."""
+        return self._scale.value()
 
     def next_step(self) -> None:
         """Forget this step's loss scale."""
-        self._loss_scale = None
+        self._scale.next_step()
 
     def reset(self) -> None:
         """Forget the calls and passes counted since the last factor

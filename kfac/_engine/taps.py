@@ -7,10 +7,10 @@ region the hooks call two custom operators, opaque to the compiler, that
 run K-FAC's Python code when the compiled graph runs:
 
 * `kfac::capture_input(input, like, key, fp16)` hands a module call's
-  input to the receiver named by `key`, `[receiver, slot]` (a
-  [`Capture`][kfac._engine.capture.Capture]) and returns the call's
-  *ticket*, an `int64` tensor `[receiver, call]` (call `-1`: not
-  captured), and an *anchor*, a zero of the dtype and device of `like`;
+  input to the receiver named by `key`, `[receiver, slot]` (a `Capture`),
+  and returns the call's *ticket*, an `int64` tensor `[receiver, call]`
+  (call `-1`: not captured), and an *anchor*, a zero of the dtype and
+  device of `like`;
 * `kfac::capture_grad(grad, ticket)` hands the gradient of that call's
   output to the receiver, in the backward pass.
 

@@ -21,8 +21,8 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from kfac._engine.capture import Capture
-from kfac._engine.capture import check_grad_scaler
-from kfac._engine.capture import read_loss_scale
+from kfac._engine.scaling import check_grad_scaler
+from kfac._engine.scaling import read_loss_scale
 from kfac.preconditioner import KFACPreconditioner
 from testing.models import TinyMLP
 from testing.models import classification_data
