@@ -140,6 +140,7 @@ class BaseKFACPreconditioner:
             bucketed=self.options.bucketed,
             phase=self._phase,
             faults=self._faults,
+            compiled=self.options.compile_arithmetic,
         )
         self._clips = ClipMonitor(self._faults)
         self._scales = ScaleUpdates(

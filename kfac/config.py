@@ -100,6 +100,7 @@ class KFACConfig:
     shard_mode: str = 'lossless'
     kl_clip_rule: str = 'kl'
     basis_refresh: str = 'eigh'
+    compile_arithmetic: bool = False
 
     def __post_init__(self) -> None:
         checked = {
@@ -159,6 +160,7 @@ class KFACConfig:
             'symmetry_aware',
             'update_factors_in_hook',
             'batch_first',
+            'compile_arithmetic',
         ):
             checked[name] = check_bool(name, getattr(self, name))
         for name, value in checked.items():
@@ -204,6 +206,9 @@ class EngineOptions:
             original rule); `'relative'` bounds the preconditioned
             gradient's norm relative to the raw one's (see
             [`kfac.math`][kfac.math]).
+        compile_arithmetic: fold each factor's batch into its running
+            average with one kernel compiled by `torch.compile` (see
+            [`KroneckerFactor.update`][kfac.layers.factor.KroneckerFactor.update]).
 
     Raises:
         TypeError: a field has the wrong type.
@@ -215,6 +220,7 @@ class EngineOptions:
     bucketed: bool = True
     shard_mode: str = 'lossless'
     kl_clip_rule: str = 'kl'
+    compile_arithmetic: bool = False
 
     def __post_init__(self) -> None:
         validate_int('accumulation_steps', self.accumulation_steps)
@@ -222,3 +228,4 @@ class EngineOptions:
         check_bool('bucketed', self.bucketed)
         check_choice('shard_mode', self.shard_mode, SHARD_MODES)
         check_choice('kl_clip_rule', self.kl_clip_rule, KL_CLIP_RULES)
+        check_bool('compile_arithmetic', self.compile_arithmetic)

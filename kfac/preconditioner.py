@@ -200,6 +200,12 @@ class KFACPreconditioner(BaseKFACPreconditioner):
             `'eigh'` (a full eigendecomposition) or `'qr'` (a few steps of
             orthogonal iteration from the previous basis; see
             [`kfac.layers.eigen`][kfac.layers.eigen]).
+        compile_arithmetic: fold each factor's batch into its running
+            average with one kernel compiled by `torch.compile` instead of
+            several eager ones (equal up to rounding; the first factor
+            update compiles it, a few seconds). Off by default: on CPUs it
+            is slower below factors of about 1000 rows (see the compile
+            guide).
 
     Every hyperparameter (`factor_update_steps` to `lr`) may also be a
     callable `step -> value`.
@@ -239,6 +245,7 @@ class KFACPreconditioner(BaseKFACPreconditioner):
         optimizer: OptimizerLike | None = None,
         kl_clip_rule: str = 'kl',
         basis_refresh: str = 'eigh',
+        compile_arithmetic: bool = False,
     ) -> None:
         check_instance('model', model, nn.Module, 'a torch.nn.Module')
         hyperparameters = Hyperparameters(
@@ -277,6 +284,7 @@ class KFACPreconditioner(BaseKFACPreconditioner):
             shard_mode=shard_mode,
             kl_clip_rule=kl_clip_rule,
             basis_refresh=basis_refresh,
+            compile_arithmetic=compile_arithmetic,
         )
         check_model(_unwrap(model))
         self.config = config
@@ -317,6 +325,7 @@ class KFACPreconditioner(BaseKFACPreconditioner):
                 bucketed=config.allreduce_bucket_cap_mb > 0,
                 shard_mode=config.shard_mode,
                 kl_clip_rule=config.kl_clip_rule,
+                compile_arithmetic=config.compile_arithmetic,
             ),
             grad_scaler=grad_scaler,
             communicator=TorchDistributedCommunicator(

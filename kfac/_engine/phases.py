@@ -75,6 +75,7 @@ class FactorUpdates:
         bucketed: allreduce factors in buckets.
         phase: times a phase of the step.
         faults: the preconditioner's fault counters and warnings.
+        compiled: running averages with compiled arithmetic.
     """
 
     def __init__(
@@ -85,8 +86,10 @@ class FactorUpdates:
         bucketed: bool,
         phase: Phase,
         faults: Faults,
+        compiled: bool = False,
     ) -> None:
         self.layers = layers
+        self.compiled = compiled
         self.phase = phase
         self.faults = faults
         self._finished: set[str] = set()
@@ -103,7 +106,7 @@ class FactorUpdates:
         layer = self.layers[name]
         self._finished.add(name)
         with self.phase('running_average'):
-            finite = layer.update_factors(decay)
+            finite = layer.update_factors(decay, compiled=self.compiled)
         if finite is not None:
             with self.phase('factor_allreduce'):
                 self._reduction.start(name, layer, finite)

@@ -14,6 +14,7 @@ factor's shape.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import NamedTuple
 
@@ -173,13 +174,21 @@ class KroneckerFactor:
         total = self.batch_sum()
         return None if total is None else total / self._count
 
-    def update(self, decay: float) -> torch.Tensor | None:
+    def update(
+        self, decay: float, *, compiled: bool = False
+    ) -> torch.Tensor | None:
         """Fold the batch into the running average and reset the batch.
 
         The update is provisional until `commit` or `rollback`.
         A batch with a non-finite entry is replaced by zeros before it is
         folded in, so no NaN or Inf reaches the running factor or any
         collective; the caller rolls the update back.
+
+        Args:
+            decay: `ξ`.
+            compiled: do the arithmetic in one kernel compiled with
+                `torch.compile` (`fold_batch`; the same up to rounding);
+                else in place, with eager kernels.
 
         Returns:
             None if there was no batch, else a 0-d bool tensor (on the
@@ -191,15 +200,19 @@ class KroneckerFactor:
         self.reset_batch()
         if total is None:
             return None
+        scale = 1.0 / count if count else 1.0
+        self._previous = (self.value,)
+        if compiled:
+            self.value, finite = compiled_fold()(
+                self.value, total, decay, scale, self.dtype
+            )
+            return finite
         finite = torch.isfinite(total.sum())
         # Zero the non-finite entries, then weight the batch by 0 if it had
         # any: two passes, no host synchronisation.
         total.nan_to_num_(0.0, 0.0, 0.0)
         keep = finite.to(total.dtype)
-        self._previous = (self.value,)
-        value = running_average(
-            self.value, total, decay, 1.0 / count if count else 1.0, keep
-        )
+        value = running_average(self.value, total, decay, scale, keep)
         self.value = value.to(self.dtype)
         return finite
 
@@ -256,6 +269,36 @@ class KroneckerFactor:
             'batch': batch,
             'decomposition': decomposition,
         }
+
+
+def fold_batch(
+    current: torch.Tensor | None,
+    total: torch.Tensor,
+    decay: float,
+    scale: float,
+    dtype: torch.dtype,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`KroneckerFactor.update`'s arithmetic, out of place: the running
+    average of `scale · total` (zero if `total` has a non-finite entry,
+    whose entries are zeroed) in `dtype`, and whether `total` was finite
+    (0-d bool). What `compiled_fold` compiles into one kernel.
+    """
+    finite = torch.isfinite(total.sum())
+    keep = finite.to(total.dtype)
+    clean = torch.nan_to_num(total, 0.0, 0.0, 0.0)
+    if current is None:
+        return (clean * (keep * scale)).to(dtype), finite
+    batch = clean * (keep * ((1.0 - decay) * scale))
+    return (batch + current.to(total.dtype) * decay).to(dtype), finite
+
+
+@functools.cache
+def compiled_fold() -> Callable[..., tuple[torch.Tensor, torch.Tensor]]:
+    """`fold_batch` compiled once for every factor size (dynamic shapes;
+    a graph per dtype, rank and first or later update), made on first
+    use.
+    """
+    return torch.compile(fold_batch, dynamic=True)
 
 
 def _nbytes(tensor: torch.Tensor | None) -> int:

@@ -283,8 +283,12 @@ class LayerStatistics:
         """Captures of `A` and of `G` since the last factor update."""
         return (self.a.captures, self.g.captures)
 
-    def update_factors(self, decay: float) -> torch.Tensor | None:
-        """Fold the captured batch into both running averages, provisionally.
+    def update_factors(
+        self, decay: float, *, compiled: bool = False
+    ) -> torch.Tensor | None:
+        """Fold the captured batch into both running averages, provisionally
+        (`compiled`: with compiled arithmetic; see
+        [`KroneckerFactor.update`][kfac.layers.factor.KroneckerFactor.update]).
 
         Returns:
             None if the module did not run (nothing changes), else a 0-d
@@ -299,8 +303,8 @@ class LayerStatistics:
         if not (self.a.captures and self.g.captures):
             self.reset_batch()
             return None
-        finite_a = self.a.update(decay)
-        finite_g = self.g.update(decay)
+        finite_a = self.a.update(decay, compiled=compiled)
+        finite_g = self.g.update(decay, compiled=compiled)
         assert finite_a is not None and finite_g is not None  # both captured
         return torch.logical_and(finite_a, finite_g)
 

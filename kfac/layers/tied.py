@@ -274,7 +274,9 @@ class _TiedStatistics(LayerStatistics):
         a, g = zip(*(use.captures for use in self.uses))
         return (sum(a), sum(g))
 
-    def update_factors(self, decay: float) -> torch.Tensor | None:
+    def update_factors(
+        self, decay: float, *, compiled: bool = False
+    ) -> torch.Tensor | None:
         """Update each use that ran; None if neither did.
 
         A use that has not run yet while the other has counts as no
@@ -284,7 +286,9 @@ class _TiedStatistics(LayerStatistics):
         """
         if self.examples is not None:
             self.examples.seal()
-        flags = [use.update_factors(decay) for use in self.uses]
+        flags = [
+            use.update_factors(decay, compiled=compiled) for use in self.uses
+        ]
         ran = [flag for flag in flags if flag is not None]
         if not ran:
             return None

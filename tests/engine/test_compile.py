@@ -308,3 +308,27 @@ def test_operator_path_run_eagerly_equals_the_hook_path(
     _train(model, precon, batches)
     for key, value in _state(twin, reference).items():
         assert torch.equal(_state(model, precon)[key], value), key
+
+
+# Compiled K-FAC arithmetic --------------------------------------------------
+
+
+def test_compiled_arithmetic_equals_eager() -> None:
+    """`compile_arithmetic=True` (running averages in one compiled kernel)
+    trains as the eager arithmetic does, on an eager and a compiled model.
+    """
+    torch.manual_seed(0)
+    model = TinyMLP().double()
+    twins = [copy.deepcopy(model), copy.deepcopy(model)]
+    batches = [classification_data(8, (6,), seed=s) for s in range(3)]
+    eager = KFACPreconditioner(model, factor_decay=0.5)
+    _train(model, eager, batches)
+    for twin, net in zip(twins, (twins[0], _compile(twins[1]))):
+        fused = KFACPreconditioner(
+            net, factor_decay=0.5, compile_arithmetic=True
+        )
+        assert fused.options.compile_arithmetic
+        _train(net, fused, batches)
+        mine, theirs = _state(twin, fused), _state(model, eager)
+        for key, value in theirs.items():
+            torch.testing.assert_close(mine[key], value, rtol=RTOL, atol=ATOL)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 
+import pytest
 import torch
 
 from kfac.layers.factor import KroneckerFactor
@@ -136,3 +137,36 @@ def test_move_of_an_empty_factor_changes_its_dtype_only() -> None:
     f.move(torch.device('cpu'), torch.float32, torch.float32)
     assert f.value is None and f.decomposition is None
     assert f.dtype == torch.float32
+
+
+@pytest.mark.parametrize('diagonal', [False, True])
+def test_compiled_update_equals_the_eager_one(diagonal: bool) -> None:
+    """`update(compiled=True)` (one kernel from `torch.compile`): the
+    first update, running averages with a new batch size each time, a
+    non-finite batch and `decay == 1`, as the eager update to rounding.
+    """
+
+    def statistic(x: torch.Tensor, m: float) -> tuple[torch.Tensor, int]:
+        total, rows = gram(x, m)
+        return (total.diagonal().clone() if diagonal else total), rows
+
+    pair = [KroneckerFactor('A', 3, statistic, F64, diagonal=diagonal)]
+    pair.append(KroneckerFactor('A', 3, statistic, F64, diagonal=diagonal))
+    bad = batch(3).double()
+    bad[0, 1] = math.nan
+    for step, (data, decay) in enumerate(
+        [(batch(1), 0.9), (batch(2, n=4), 0.9), (bad, 0.9), (batch(4), 1.0)]
+    ):
+        flags = []
+        for compiled, f in enumerate(pair):
+            f.capture(data.double(), 1.0 + step, now=True)
+            flags.append(f.update(decay, compiled=bool(compiled)))
+            if step == 2:
+                f.rollback()
+            else:
+                f.commit()
+        assert [bool(flag) for flag in flags] == [step != 2] * 2
+        eager, fused = (f.value for f in pair)
+        assert eager is not None and fused is not None
+        assert fused.dtype == F64 and fused.shape == eager.shape
+        torch.testing.assert_close(fused, eager, rtol=1e-14, atol=0)
