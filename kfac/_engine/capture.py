@@ -39,6 +39,7 @@ import dataclasses
 import functools
 import itertools
 import logging
+import sys
 import weakref
 from collections.abc import Callable
 from collections.abc import Mapping
@@ -91,6 +92,21 @@ class _Tally:
 
 def _inert(*args: object) -> None:
     """What a copied model's K-FAC hooks do: nothing."""
+
+
+def guard_module_hooks() -> None:
+    """Make `torch._dynamo` guard on modules without hooks, if it is
+    loaded (graphs are compiled only once it is).
+
+    By default (`skip_nnmodule_hook_guards`) a graph traced for a module
+    without hooks is reused after hooks are added, and for any other
+    instance of its class: K-FAC's hooks would silently not run. With the
+    guard such a graph is retraced.
+    """
+    config = sys.modules.get('torch._dynamo.config')
+    if config is not None:
+        # found in sys.modules, so typed as a plain module
+        config.skip_nnmodule_hook_guards = False  # type: ignore[attr-defined]
 
 
 def _by_module(
@@ -176,6 +192,7 @@ class Capture:
         self._weights = {
             name: layer.module.weight for name, layer in layers.items()
         }
+        guard_module_hooks()
         self._receiver = register_receiver(self)
         self._calls: dict[int, tuple[tuple[str, Captured], ...]] = {}
         self._numbers = itertools.count()
@@ -372,17 +389,19 @@ class Capture:
                     'assigning .weight); build the preconditioner after '
                     'the model is sharded or wrapped',
                 )
+        guard_module_hooks()
         fresh, self._fresh = self._fresh, False
         seen, self._seen = self._seen, False
         if fresh and not seen and any(m.training for m in self._hooked):
             raise RuntimeError(
                 'K-FAC: a backward pass reached the registered weights but '
                 "none of K-FAC's forward hooks ran since the last step(): "
-                'the model runs a graph torch.compile made before the '
+                'the model runs a graph torch.compile made for it (or for '
+                'another instance of its class) without hooks, before the '
                 'preconditioner was built (torch._dynamo does not notice '
                 'hooks added to a module that had none). Build the '
-                'preconditioner before the first call of the compiled '
-                'model, or call torch._dynamo.reset() after building it',
+                'preconditioner before the first call of a compiled model, '
+                'or call torch._dynamo.reset() after building it',
             )
         weights = [layer.module.weight for layer in self._layers.values()]
         return fresh or not any(w.requires_grad for w in weights)

@@ -231,15 +231,22 @@ def test_checkpoint_round_trip_compiled_eager_compiled() -> None:
         torch.testing.assert_close(mine[key], value, rtol=RTOL, atol=ATOL)
 
 
-def test_graph_compiled_before_the_hooks_is_an_error() -> None:
-    """torch._dynamo keeps a graph traced without hooks when hooks are
-    added later: K-FAC would see nothing, so step() says so.
+def test_graph_compiled_before_the_hooks_is_an_error(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Without K-FAC's guard on hook-less modules (set when a
+    preconditioner is built or steps), dynamo keeps a graph traced without
+    hooks when hooks are added: K-FAC would see nothing, so step() says so.
     """
+    monkeypatch.setattr(
+        torch._dynamo.config, 'skip_nnmodule_hook_guards', True
+    )
     model = TinyMLP().double()
     compiled = _compile(model, backend='eager')
     x, y = classification_data(8, (6,))
     compiled(x).sum().backward()  # traced without K-FAC's hooks
     precon = KFACPreconditioner(compiled)
+    assert not torch._dynamo.config.skip_nnmodule_hook_guards
     F.cross_entropy(compiled(x), y).backward()
     with pytest.raises(RuntimeError, match=r'torch._dynamo.reset\(\)'):
         precon.step()
@@ -248,6 +255,30 @@ def test_graph_compiled_before_the_hooks_is_an_error() -> None:
     F.cross_entropy(compiled(x), y).backward()
     precon.step()
     assert all(layer.has_factors for layer in precon.layers.values())
+
+
+def test_instance_without_hooks_keeps_its_own_graph() -> None:
+    """A model compiled and run without K-FAC beside another instance of
+    its class with K-FAC (an A/B comparison in one process): each runs
+    its own graph, and K-FAC captures only its own model.
+    """
+    torch.manual_seed(0)
+    model = TinyMLP().double()
+    plain, twin = copy.deepcopy(model), copy.deepcopy(model)
+    compiled = _compile(model, backend='aot_eager')
+    precon = KFACPreconditioner(compiled)
+    reference = KFACPreconditioner(twin)
+    plain_compiled = _compile(plain, backend='aot_eager')
+    batches = [classification_data(8, (6,), seed=s) for s in range(2)]
+    for x, y in batches:
+        F.cross_entropy(plain_compiled(x * 3), y).backward()  # first
+        for net, pre in ((compiled, precon), (twin, reference)):
+            F.cross_entropy(net(x), y).backward()
+            pre.step()
+    for key, value in _state(twin, reference).items():
+        torch.testing.assert_close(
+            _state(model, precon)[key], value, rtol=RTOL, atol=ATOL
+        )
 
 
 def test_removed_preconditioner_captures_nothing_and_a_new_one_does() -> None:
