@@ -16,6 +16,8 @@ from typing import Any
 
 import torch
 
+from benchmarks.compiled import MODES
+from benchmarks.compiled import run_compiled
 from benchmarks.machine import calibrate_linalg
 from benchmarks.machine import machine_info
 from benchmarks.machine import measure_rates
@@ -56,6 +58,20 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument(
         '--out', type=pathlib.Path, default=pathlib.Path('build/bench.json')
     )
+    parser.add_argument(
+        '--compiled-models',
+        nargs='*',
+        default=['mlp', 'transformer'],
+        choices=list(MODELS),
+        help='models also run compiled (torch.compile); none: skip',
+    )
+    parser.add_argument(
+        '--compiled-steps',
+        type=int,
+        default=30,
+        help='timed steps of the compiled study (SGD and 10/100)',
+    )
+    parser.add_argument('--compile-mode', default='default', choices=MODES)
     parser.add_argument('--no-scaling', action='store_true')
     parser.add_argument('--no-bytecheck', action='store_true')
     parser.add_argument(
@@ -115,6 +131,16 @@ def main(argv: Sequence[str] | None = None) -> int:
             steps=args.steps,
             fi_steps=args.fi_steps,
             full_cycle=name in args.full_cycle,
+        )
+    result['compiled'] = {}
+    for name in args.compiled_models:
+        print(f'compiling {name} ...', file=sys.stderr, flush=True)
+        result['compiled'][name] = run_compiled(
+            name,
+            device=device,
+            steps=args.compiled_steps,
+            fi_steps=args.fi_steps,
+            mode=args.compile_mode,
         )
     if not args.no_scaling:
         result['scaling'] = scaling()

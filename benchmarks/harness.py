@@ -53,13 +53,20 @@ LR = 0.01
 
 @dataclasses.dataclass(frozen=True)
 class Config:
-    """One benchmarked configuration; ``method`` None is SGD alone."""
+    """One benchmarked configuration; ``method`` None is SGD alone.
+
+    ``compile_mode`` (a ``torch.compile`` mode, ``'default'`` for its
+    default) trains the compiled model, K-FAC built on it;
+    ``arithmetic`` passes ``compile_arithmetic=True``.
+    """
 
     name: str
     method: str | None = None
     factor_steps: int = 1
     inv_steps: int = 1
     approx: str = 'expand'
+    compile_mode: str | None = None
+    arithmetic: bool = False
 
 
 CONFIGS = (
@@ -131,6 +138,9 @@ class Runner:
         self.config = config
         self.device = device
         self.model = copy.deepcopy(bench.model).to(device)
+        self.net: torch.nn.Module = self.model
+        if config.compile_mode is not None:
+            self.net = torch.compile(self.model, mode=config.compile_mode)  # type: ignore[assignment]  # an OptimizedModule
         self.inputs = bench.inputs.to(device)
         self.target = bench.target.to(device)
         self.loss_fn = bench.loss
@@ -142,19 +152,22 @@ class Runner:
         self.timer = PhaseTimer(sync=sync)
         if config.method is not None:
             self.preconditioner = KFACPreconditioner(
-                self.model,
+                self.net,
                 compute_method=config.method,
                 factor_update_steps=config.factor_steps,
                 inv_update_steps=config.inv_steps,
                 lr=LR,
                 skip_layers=bench.skip_layers,
                 kfac_approx=config.approx,
+                compile_arithmetic=config.arithmetic,
                 **bench.kfac_options,
             )
             self.preconditioner.timer = self.timer
         self.steps = 0
         self.samples: list[Sample] = []
         self.losses: list[float] = []
+        self.first_seconds = math.nan
+        """Seconds of step 0 (with a compiled model: its compilation)."""
 
     def step(self, record: bool = True) -> Sample:
         """Take one training step; keep its :class:`Sample` if ``record``."""
@@ -163,7 +176,7 @@ class Runner:
         start = time.perf_counter()
         self.optimizer.zero_grad()
         batch = self.steps % len(self.inputs)
-        output = self.model(self.inputs[batch])
+        output = self.net(self.inputs[batch])
         loss = self.loss_fn(output, self.target[batch])
         loss.backward()
         if self.preconditioner is not None:
@@ -171,6 +184,8 @@ class Runner:
         self.optimizer.step()
         _sync(self.device)
         seconds = time.perf_counter() - start
+        if self.steps == 0:
+            self.first_seconds = seconds
         phases = {
             name: value - before.get(name, 0.0)
             for name, value in self.timer.seconds.items()

@@ -8,6 +8,7 @@ from collections.abc import Iterable
 from collections.abc import Mapping
 from typing import Any
 
+from benchmarks.compiled import compiled_table
 from benchmarks.overlap import overlap_table
 
 __all__ = ['markdown']
@@ -310,6 +311,12 @@ def markdown(result: Mapping[str, Any]) -> str:
         '## Phases against their floor (amortised per step)\n\n'
         + _phases(result),
     ]
+    if result.get('compiled'):
+        mode = next(iter(result['compiled'].values()))['mode']
+        parts.append(
+            f'## Compiled models (torch.compile, mode {mode!r})\n\n'
+            + compiled_table(result['compiled'])
+        )
     if 'scaling' in result:
         parts += [
             '## Inverse-worker load balance\n\n' + _balance(result),

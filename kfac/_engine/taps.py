@@ -92,6 +92,21 @@ def unregister_receiver(number: int) -> None:
     _RECEIVERS.pop(number, None)
 
 
+_EAGER_DISPATCH = (
+    torch._C._dispatch_tls_local_include_set(),
+    torch._C._dispatch_tls_local_exclude_set(),
+)
+"""The dispatch state of eager code (read at import). A compiled graph
+runs its operators with other keys excluded (functionalization, views,
+autograd); the operators run the receiver's code in the eager state, so
+that it computes as in eager mode and what it compiles itself (the
+compiled arithmetic) sees the same state from both."""
+
+
+def _as_eager() -> torch._C._ForceDispatchKeyGuard:
+    return torch._C._ForceDispatchKeyGuard(*_EAGER_DISPATCH)
+
+
 def no_ticket(receiver: int) -> torch.Tensor:
     """The ticket of a call that is not captured."""
     return torch.tensor([receiver, -1], dtype=torch.int64)
@@ -105,9 +120,10 @@ def _capture_input(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     receiver = int(key[0])
     target = _RECEIVERS.get(receiver)
-    ticket = (
-        None if target is None else target.on_input(key, layer_input, fp16)
-    )
+    ticket = None
+    if target is not None:
+        with _as_eager():
+            ticket = target.on_input(key, layer_input, fp16)
     anchor = like.new_zeros(())
     return (no_ticket(receiver) if ticket is None else ticket), anchor
 
@@ -116,7 +132,8 @@ def _capture_grad(grad: torch.Tensor, ticket: torch.Tensor) -> None:
     receiver, call = ticket.tolist()
     target = _RECEIVERS.get(receiver)
     if target is not None and call >= 0:
-        target.on_grad(ticket, grad)
+        with _as_eager():
+            target.on_grad(ticket, grad)
 
 
 _TAGS = (torch.Tag.cudagraph_unsafe,)

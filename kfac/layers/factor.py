@@ -203,8 +203,11 @@ class KroneckerFactor:
         scale = 1.0 / count if count else 1.0
         self._previous = (self.value,)
         if compiled:
+            current = self.value
+            if current is None:  # the first update: `scale · total` alone
+                current, decay = torch.zeros_like(total), 0.0
             self.value, finite = compiled_fold()(
-                self.value, total, decay, scale, self.dtype
+                current, total, decay, scale, self.dtype
             )
             return finite
         finite = torch.isfinite(total.sum())
@@ -272,31 +275,30 @@ class KroneckerFactor:
 
 
 def fold_batch(
-    current: torch.Tensor | None,
+    current: torch.Tensor,
     total: torch.Tensor,
     decay: float,
     scale: float,
     dtype: torch.dtype,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`KroneckerFactor.update`'s arithmetic, out of place: the running
-    average of `scale · total` (zero if `total` has a non-finite entry,
-    whose entries are zeroed) in `dtype`, and whether `total` was finite
-    (0-d bool). What `compiled_fold` compiles into one kernel.
+    average `decay · current + (1 - decay) · scale · total` in `dtype`
+    (the batch weighted by zero if `total` has a non-finite entry, whose
+    entries are zeroed), and whether `total` was finite (0-d bool). What
+    `compiled_fold` compiles into one kernel.
     """
     finite = torch.isfinite(total.sum())
     keep = finite.to(total.dtype)
     clean = torch.nan_to_num(total, 0.0, 0.0, 0.0)
-    if current is None:
-        return (clean * (keep * scale)).to(dtype), finite
     batch = clean * (keep * ((1.0 - decay) * scale))
     return (batch + current.to(total.dtype) * decay).to(dtype), finite
 
 
 @functools.cache
 def compiled_fold() -> Callable[..., tuple[torch.Tensor, torch.Tensor]]:
-    """`fold_batch` compiled once for every factor size (dynamic shapes;
-    a graph per dtype, rank and first or later update), made on first
-    use.
+    """`fold_batch` compiled for every factor size (dynamic shapes: a
+    graph per dtype and rank, and per size above and below the point
+    where inductor splits the sum), made on first use.
     """
     return torch.compile(fold_batch, dynamic=True)
 
