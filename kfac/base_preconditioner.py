@@ -237,6 +237,7 @@ class BaseKFACPreconditioner:
         """Replace hyperparameters (validated), e.g. from a scheduler."""
         self.hyperparameters = self.hyperparameters.replace(**values)
         self._values = None
+        self._capture.refresh()
 
     def metrics(self) -> dict[str, Any]:
         """Fault counters, totals and per layer: `nonfinite_statistics_steps`
@@ -305,6 +306,7 @@ class BaseKFACPreconditioner:
         )
         self._values = None
         self._steps = saved.steps
+        self._capture.refresh()
         self.options = dataclasses.replace(
             self.options,
             kl_clip_rule=saved.options.get('kl_clip_rule', 'kl'),

@@ -109,6 +109,24 @@ def guard_module_hooks() -> None:
         config.skip_nnmodule_hook_guards = False  # type: ignore[attr-defined]
 
 
+def _uncompiled(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """`fn`, or where `torch._dynamo` is loaded `fn` with the compiler
+    disabled while it runs: a hook runs eagerly inside a compiled call when
+    dynamo runs the model's own frame eagerly (a graph break in a loop),
+    and would otherwise compile every frame K-FAC's Python code calls.
+    """
+    if 'torch._dynamo' not in sys.modules:
+        return fn
+    return _disabled(fn)
+
+
+@functools.cache
+def _disabled(fn: Callable[..., Any]) -> Callable[..., Any]:
+    # torch.compiler.disable carries no annotations
+    disabled: Callable[..., Any] = torch.compiler.disable(fn)  # type: ignore[no-untyped-call]
+    return disabled
+
+
 def _by_module(
     modules: Mapping[str, Sequence[nn.Module]],
 ) -> dict[nn.Module, tuple[str, ...]]:
@@ -175,6 +193,10 @@ class Capture:
     ) -> None:
         self._layers = layers
         self._active = active
+        self.capturing = True  # step 0 updates factors
+        """Whether this step updates factors (kept by `refresh`): read by
+        the hooks, so that a compiled graph of a step that does not update
+        factors has no operator of K-FAC (a second graph)."""
         self._scale = LossScale(grad_scaler, log_once)
         self.accumulation_steps = accumulation_steps
         self.in_hook = in_hook
@@ -255,7 +277,8 @@ class Capture:
         module: nothing read here differs between modules.
         """
         if not (
-            module.training
+            self.capturing
+            and module.training
             and torch.is_grad_enabled()
             and isinstance(output, torch.Tensor)
             and output.requires_grad
@@ -268,7 +291,7 @@ class Capture:
             ticket, anchor = capture_input(layer_input, like, key, fp16)
             # Function.apply carries no annotations in torch
             return GradTap.apply(output, ticket, anchor)  # type: ignore[no-untyped-call]
-        eager = self.on_input(key, layer_input, fp16)
+        eager = _uncompiled(Capture.on_input)(self, key, layer_input, fp16)
         if eager is not None:
             output.register_hook(functools.partial(self.on_grad, eager))
         return None
@@ -392,7 +415,8 @@ class Capture:
         guard_module_hooks()
         fresh, self._fresh = self._fresh, False
         seen, self._seen = self._seen, False
-        if fresh and not seen and any(m.training for m in self._hooked):
+        hooked = any(m.training for m in self._hooked)
+        if fresh and self.capturing and not seen and hooked:
             raise RuntimeError(
                 'K-FAC: a backward pass reached the registered weights but '
                 "none of K-FAC's forward hooks ran since the last step(): "
@@ -421,8 +445,15 @@ class Capture:
         return self._scale.value()
 
     def next_step(self) -> None:
-        """Forget this step's loss scale."""
+        """Forget this step's loss scale; `refresh`."""
         self._scale.next_step()
+        self.refresh()
+
+    def refresh(self) -> None:
+        """Read again whether the current step updates factors (after the
+        step count or the hyperparameters changed).
+        """
+        self.capturing = self._active()
 
     def reset(self) -> None:
         """Forget the calls and passes counted since the last factor

@@ -99,6 +99,7 @@ def test_passes_outside_factor_steps_are_not_captured(
     precon = KFACPreconditioner(eager)
     active = [mode != 'inactive']
     capture = _capture(precon, active)
+    capture.refresh()
     model = _maybe_compile(eager, compiled)
     x, _ = classification_data(4, (6,))
     if mode == 'eval':
@@ -112,6 +113,7 @@ def test_passes_outside_factor_steps_are_not_captured(
     expected = [(0, 0), (0, 0)] if mode != 'frozen' else [(1, 1), (0, 0)]
     assert [layer.captures for layer in precon.layers.values()] == expected
     active[0] = True
+    capture.refresh()  # what the engine does when the step changes
     model.train()
     eager.fc2.weight.requires_grad_(True)
     model(x).sum().backward()

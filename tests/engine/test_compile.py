@@ -173,28 +173,36 @@ def _step(
 def test_twenty_layers_compile_once(
     own_break: bool, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """20 hooked layers compile once, over steps that capture and steps
-    that do not (no recompile-limit warning), with `fullgraph=True`; a
-    model whose own frame dynamo runs eagerly (a graph break inside its
-    loop) gets K-FAC's hook compiled alone: one graph for every layer
-    (two: the first layer's input needs no gradient), not one per layer.
-    Every layer is captured.
+    """20 hooked layers compile once per kind of step (one graph for the
+    steps that update factors, one without K-FAC's operators for the
+    others), with `fullgraph=True` and no recompile-limit warning. A model
+    whose own frame dynamo runs eagerly (a graph break inside its loop)
+    gets K-FAC's hook compiled alone, one graph for every layer (two: the
+    first layer's input needs no gradient), not one per layer. Either
+    way the factors are the eager model's.
     """
     counter = CompileCounter()
     torch.manual_seed(0)
-    model = _Deep(20, own_break=own_break)
+    model = _Deep(20, own_break=own_break).double()
+    twin = copy.deepcopy(model)
     compiled = _compile(model, backend=counter, fullgraph=not own_break)
-    precon = KFACPreconditioner(compiled, factor_update_steps=2)
-    x = torch.randn(3, 4)
+    options: dict[str, Any] = {'factor_update_steps': 2, 'factor_decay': 0.5}
+    precon = KFACPreconditioner(compiled, **options)
+    reference = KFACPreconditioner(twin, **options)
+    x = torch.randn(3, 4, dtype=F64)
     with caplog.at_level(logging.WARNING):
         for _ in range(4):
             _step(compiled, precon, x)
-    # own frames of the model: Linear.forward with and without an input
-    # needing a gradient; K-FAC's: its hook, likewise
-    assert counter.frame_count == (4 if own_break else 1)
+            _step(twin, reference, x)
+    # own_break: Linear.forward and K-FAC's hook, each with and without
+    # an input needing a gradient
+    assert counter.frame_count == (4 if own_break else 2)
     assert 'recompile' not in caplog.text
     assert precon.steps == 4
-    assert all(layer.has_factors for layer in precon.layers.values())
+    for key, value in _state(twin, reference).items():
+        torch.testing.assert_close(
+            _state(model, precon)[key], value, rtol=RTOL, atol=ATOL
+        )
 
 
 # Names, checkpoints and the preconditioner's lifetime ------------------------
