@@ -349,6 +349,50 @@ def test_operator_path_run_eagerly_equals_the_hook_path(
         assert torch.equal(_state(model, precon)[key], value), key
 
 
+class _TwoHeads(nn.Module):
+    """A body and two heads; the loss may use one head only."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Linear(4, 4)
+        self.head = nn.Linear(4, 3)
+        self.aux = nn.Linear(4, 2)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        h = torch.tanh(self.body(x))
+        return self.head(h), self.aux(h)
+
+
+def test_graph_output_without_gradient_counts_as_zero_gradient() -> None:
+    """The documented difference from eager mode: a registered module's
+    output returned by the compiled region but left out of the loss gets
+    a zero gradient from the compiled backward (AOTAutograd passes zeros
+    for outputs without a gradient), so K-FAC counts the call; eager
+    K-FAC counts nothing.
+    """
+    torch.manual_seed(0)
+    model = _TwoHeads().double()
+    twin = copy.deepcopy(model)
+    compiled = _compile(model, backend='aot_eager')
+    precon = KFACPreconditioner(compiled)
+    reference = KFACPreconditioner(twin)
+    x, y = classification_data(6, (4,))
+    for net, pre in ((compiled, precon), (twin, reference)):
+        out, _ = net(x)
+        F.cross_entropy(out, y).backward()
+        pre.step()
+    assert not reference.layers['aux'].has_factors
+    aux = precon.layers['aux']
+    assert aux.has_factors and aux.g.value is not None
+    assert torch.equal(aux.g.value, torch.zeros_like(aux.g.value))
+    for name in ('body', 'head'):
+        for factor in ('A', 'G'):
+            mine = precon.layers[name].factor(factor).value
+            theirs = reference.layers[name].factor(factor).value
+            assert mine is not None and theirs is not None
+            torch.testing.assert_close(mine, theirs, rtol=RTOL, atol=ATOL)
+
+
 # Compiled K-FAC arithmetic --------------------------------------------------
 
 
