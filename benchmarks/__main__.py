@@ -71,7 +71,13 @@ def _parser() -> argparse.ArgumentParser:
         default=30,
         help='timed steps of the compiled study (SGD and 10/100)',
     )
-    parser.add_argument('--compile-mode', default='default', choices=MODES)
+    parser.add_argument(
+        '--autotune-models',
+        nargs='*',
+        default=['mlp'],
+        choices=list(MODELS),
+        help="models also run compiled with mode='max-autotune-no-cudagraphs'",
+    )
     parser.add_argument('--no-scaling', action='store_true')
     parser.add_argument('--no-bytecheck', action='store_true')
     parser.add_argument(
@@ -133,14 +139,17 @@ def main(argv: Sequence[str] | None = None) -> int:
             full_cycle=name in args.full_cycle,
         )
     result['compiled'] = {}
-    for name in args.compiled_models:
-        print(f'compiling {name} ...', file=sys.stderr, flush=True)
-        result['compiled'][name] = run_compiled(
+    studies = [(name, MODES[0]) for name in args.compiled_models]
+    studies += [(name, MODES[1]) for name in args.autotune_models]
+    for name, mode in studies:
+        print(f'compiling {name} ({mode}) ...', file=sys.stderr, flush=True)
+        key = name if mode == MODES[0] else f'{name} ({mode})'
+        result['compiled'][key] = run_compiled(
             name,
             device=device,
             steps=args.compiled_steps,
             fi_steps=args.fi_steps,
-            mode=args.compile_mode,
+            mode=mode,
         )
     if not args.no_scaling:
         result['scaling'] = scaling()

@@ -312,9 +312,8 @@ def markdown(result: Mapping[str, Any]) -> str:
         + _phases(result),
     ]
     if result.get('compiled'):
-        mode = next(iter(result['compiled'].values()))['mode']
         parts.append(
-            f'## Compiled models (torch.compile, mode {mode!r})\n\n'
+            '## Compiled models (torch.compile)\n\n'
             + compiled_table(result['compiled'])
         )
     if 'scaling' in result:
