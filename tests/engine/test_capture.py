@@ -10,16 +10,19 @@ from __future__ import annotations
 
 import copy
 import logging
+import types
 from collections.abc import Callable
 from typing import Any
 from typing import cast
 
 import pytest
 import torch
+import torch._dynamo
 import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from kfac._engine import capture as capture_module
 from kfac._engine.capture import Capture
 from kfac._engine.scaling import check_grad_scaler
 from kfac._engine.scaling import read_loss_scale
@@ -581,3 +584,20 @@ def test_a_deep_copy_of_the_model_is_not_preconditioned() -> None:
             other = reference.layers[name].factor(factor.name).value
             assert factor.value is not None and other is not None
             assert torch.equal(factor.value, other), name
+
+
+def test_without_the_compiler_loaded_nothing_of_it_is_touched(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Where `torch._dynamo` was never imported (so nothing is compiled),
+    the capture neither imports it nor wraps its own code.
+    """
+    monkeypatch.setattr(
+        torch._dynamo.config, 'skip_nnmodule_hook_guards', True
+    )
+    monkeypatch.setattr(
+        capture_module, 'sys', types.SimpleNamespace(modules={})
+    )
+    capture_module.guard_module_hooks()
+    assert torch._dynamo.config.skip_nnmodule_hook_guards
+    assert capture_module._uncompiled(Capture.on_input) is Capture.on_input

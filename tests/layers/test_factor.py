@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from kfac.layers.factor import KroneckerFactor
+from kfac.layers.factor import fold_batch
 from testing.asserts import assert_rel_close
 
 F64 = torch.float64
@@ -170,3 +171,24 @@ def test_compiled_update_equals_the_eager_one(diagonal: bool) -> None:
         assert eager is not None and fused is not None
         assert fused.dtype == F64 and fused.shape == eager.shape
         torch.testing.assert_close(fused, eager, rtol=1e-14, atol=0)
+
+
+def test_fold_batch_is_the_eager_update_out_of_place() -> None:
+    """What `compiled_fold` compiles, run eagerly: the eager update's value
+    and flag, for a finite and a non-finite batch.
+    """
+    f = factor()
+    f.capture(batch(1).double(), 1.0, now=True)
+    f.update(0.9)
+    f.commit()
+    for data in (batch(2).double(), batch(3).double().fill_(math.inf)):
+        current = f.value
+        assert current is not None
+        total, rows = gram(data, 1.0)
+        value, finite = fold_batch(current, total, 0.9, 1.0 / rows, F64)
+        f.capture(data, 1.0, now=True)
+        flag = f.update(0.9)
+        assert flag is not None and bool(finite) == bool(flag)
+        assert f.value is not None
+        torch.testing.assert_close(value, f.value, rtol=1e-15, atol=0)
+        f.rollback()
