@@ -24,6 +24,8 @@ from torch import nn
 
 from kfac._engine.capture import Capture
 from kfac._engine.grad_placement import make_placement
+from kfac._engine.loss_scale import GradScalerLike
+from kfac._engine.loss_scale import check_grad_scaler
 from kfac._engine.metrics import plot_metrics
 from kfac._engine.phases import ClipMonitor
 from kfac._engine.phases import FactorUpdates
@@ -33,8 +35,6 @@ from kfac._engine.phases import precondition
 from kfac._engine.saving import load_layers
 from kfac._engine.saving import save_layers
 from kfac._engine.scales import ScaleUpdates
-from kfac._engine.scaling import GradScalerLike
-from kfac._engine.scaling import check_grad_scaler
 from kfac.assignment import WorkAssignment
 from kfac.config import EngineOptions
 from kfac.distributed import TorchDistributedCommunicator

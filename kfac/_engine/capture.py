@@ -50,9 +50,9 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from kfac._engine.scaling import GradScalerLike
-from kfac._engine.scaling import LossScale
-from kfac._engine.scaling import fp16_autocast
+from kfac._engine.loss_scale import GradScalerLike
+from kfac._engine.loss_scale import LossScale
+from kfac._engine.loss_scale import fp16_autocast
 from kfac._engine.taps import GradTap
 from kfac._engine.taps import capture_input
 from kfac._engine.taps import register_receiver

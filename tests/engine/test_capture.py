@@ -24,8 +24,8 @@ from torch.utils.checkpoint import checkpoint
 
 from kfac._engine import capture as capture_module
 from kfac._engine.capture import Capture
-from kfac._engine.scaling import check_grad_scaler
-from kfac._engine.scaling import read_loss_scale
+from kfac._engine.loss_scale import check_grad_scaler
+from kfac._engine.loss_scale import read_loss_scale
 from kfac.preconditioner import KFACPreconditioner
 from testing.models import TinyMLP
 from testing.models import classification_data
