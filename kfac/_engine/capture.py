@@ -35,11 +35,9 @@ runs.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import functools
 import itertools
 import logging
-import sys
 import weakref
 from collections.abc import Callable
 from collections.abc import Mapping
@@ -50,6 +48,11 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
+from kfac._engine.hooks import Hook
+from kfac._engine.hooks import Tally
+from kfac._engine.hooks import by_module
+from kfac._engine.hooks import guard_module_hooks
+from kfac._engine.hooks import uncompiled
 from kfac._engine.loss_scale import GradScalerLike
 from kfac._engine.loss_scale import LossScale
 from kfac._engine.loss_scale import fp16_autocast
@@ -73,87 +76,6 @@ name."""
 _OWNERS: weakref.WeakKeyDictionary[nn.Module, weakref.ref[Capture]] = (
     weakref.WeakKeyDictionary()
 )
-
-
-@dataclasses.dataclass
-class _Tally:
-    """A module's calls and backward passes in the current step."""
-
-    pending: int = 0
-    """Forward calls captured since its last completed backward pass."""
-    fired: int = 0
-    """Calls whose gradient arrived in the current backward pass."""
-    examples: int = 0
-    """Terms `G` averages over for those calls (the largest; see
-    `add_call`)."""
-    passes: int = 0
-    """Backward passes completed in this step."""
-
-
-def _inert(*args: object) -> None:
-    """What a copied model's K-FAC hooks do: nothing."""
-
-
-def guard_module_hooks() -> None:
-    """Make `torch._dynamo` guard on modules without hooks, if it is
-    loaded (graphs are compiled only once it is).
-
-    By default (`skip_nnmodule_hook_guards`) a graph traced for a module
-    without hooks is reused after hooks are added, and for any other
-    instance of its class: K-FAC's hooks would silently not run. With the
-    guard such a graph is retraced.
-    """
-    config = sys.modules.get('torch._dynamo.config')
-    if config is not None:
-        # found in sys.modules, so typed as a plain module
-        config.skip_nnmodule_hook_guards = False  # type: ignore[attr-defined]
-
-
-def _uncompiled(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """`fn`, or where `torch._dynamo` is loaded `fn` with the compiler
-    disabled while it runs: a hook runs eagerly inside a compiled call when
-    dynamo runs the model's own frame eagerly (a graph break in a loop),
-    and would otherwise compile every frame K-FAC's Python code calls.
-    """
-    if 'torch._dynamo' not in sys.modules:
-        return fn
-    return _disabled(fn)
-
-
-@functools.cache
-def _disabled(fn: Callable[..., Any]) -> Callable[..., Any]:
-    # torch.compiler.disable carries no annotations
-    disabled: Callable[..., Any] = torch.compiler.disable(fn)  # type: ignore[no-untyped-call]
-    return disabled
-
-
-def _by_module(
-    modules: Mapping[str, Sequence[nn.Module]],
-) -> dict[nn.Module, tuple[str, ...]]:
-    """Per module, in first-seen order, the layers whose calls its calls
-    are (several for the tiles or groups of one module).
-    """
-    names: dict[nn.Module, tuple[str, ...]] = {}
-    for name, owners in modules.items():
-        for module in owners:
-            names[module] = (*names.get(module, ()), name)
-    return names
-
-
-class _Hook:
-    """A hook of the capture. A deep copy of the model (an EMA or
-    evaluation copy) gets an inert hook instead of a copy of the whole
-    preconditioner: the copy is not preconditioned.
-    """
-
-    def __init__(self, fn: Callable[..., object]) -> None:
-        self._fn = fn
-
-    def __call__(self, *args: Any) -> Any:
-        return self._fn(*args)
-
-    def __deepcopy__(self, memo: dict[int, object]) -> Callable[..., None]:
-        return _inert
 
 
 class Capture:
@@ -203,7 +125,7 @@ class Capture:
         self._on_complete = on_complete
         self._phase = phase
         self._log_once = log_once
-        self._tallies = {name: _Tally() for name in layers}
+        self._tallies = {name: Tally() for name in layers}
         self._queued = False
         self._fresh = False
         self._modules = {
@@ -225,11 +147,11 @@ class Capture:
         self._seen = False
         """Whether a hooked call ran since the last `take_fresh`."""
         self._handles: list[RemovableHandle] = []
-        for module, names in _by_module(self._modules).items():
+        for module, names in by_module(self._modules).items():
             key = torch.tensor([self._receiver, len(self._slots)])
             self._handles.append(
                 module.register_forward_hook(
-                    _Hook(functools.partial(self._forward_hook, key))
+                    Hook(functools.partial(self._forward_hook, key))
                 )
             )
             self._slots.append(names)
@@ -239,7 +161,7 @@ class Capture:
         for weight in self._weights.values():
             self._handles.append(
                 weight.register_post_accumulate_grad_hook(
-                    _Hook(self._accumulated)
+                    Hook(self._accumulated)
                 )
             )
 
@@ -291,7 +213,7 @@ class Capture:
             ticket, anchor = capture_input(layer_input, like, key, fp16)
             # Function.apply carries no annotations in torch
             return GradTap.apply(output, ticket, anchor)  # type: ignore[no-untyped-call]
-        eager = _uncompiled(Capture.on_input)(self, key, layer_input, fp16)
+        eager = uncompiled(Capture.on_input)(self, key, layer_input, fp16)
         if eager is not None:
             output.register_hook(functools.partial(self.on_grad, eager))
         return None
@@ -463,7 +385,7 @@ class Capture:
         self._queued = False
         self._loss_scale = None
         for name in self._tallies:
-            self._tallies[name] = _Tally()
+            self._tallies[name] = Tally()
 
     def remove(self) -> None:
         """Remove every hook; operators in compiled graphs that outlive

@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from kfac._engine import capture as capture_module
+from kfac._engine import hooks as hooks_module
 from kfac._engine.capture import Capture
 from kfac._engine.loss_scale import check_grad_scaler
 from kfac._engine.loss_scale import read_loss_scale
@@ -596,8 +596,8 @@ def test_without_the_compiler_loaded_nothing_of_it_is_touched(
         torch._dynamo.config, 'skip_nnmodule_hook_guards', True
     )
     monkeypatch.setattr(
-        capture_module, 'sys', types.SimpleNamespace(modules={})
+        hooks_module, 'sys', types.SimpleNamespace(modules={})
     )
-    capture_module.guard_module_hooks()
+    hooks_module.guard_module_hooks()
     assert torch._dynamo.config.skip_nnmodule_hook_guards
-    assert capture_module._uncompiled(Capture.on_input) is Capture.on_input
+    assert hooks_module.uncompiled(Capture.on_input) is Capture.on_input
