@@ -595,9 +595,7 @@ def test_without_the_compiler_loaded_nothing_of_it_is_touched(
     monkeypatch.setattr(
         torch._dynamo.config, 'skip_nnmodule_hook_guards', True
     )
-    monkeypatch.setattr(
-        hooks_module, 'sys', types.SimpleNamespace(modules={})
-    )
+    monkeypatch.setattr(hooks_module, 'sys', types.SimpleNamespace(modules={}))
     hooks_module.guard_module_hooks()
     assert torch._dynamo.config.skip_nnmodule_hook_guards
     assert hooks_module.uncompiled(Capture.on_input) is Capture.on_input
