@@ -383,7 +383,7 @@ class Capture:
         skipped leaves a scale that is no longer current).
         """
         self._queued = False
-        self._loss_scale = None
+        self._scale.next_step()
         for name in self._tallies:
             self._tallies[name] = Tally()
 
