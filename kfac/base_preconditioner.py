@@ -40,6 +40,7 @@ from kfac.config import EngineOptions
 from kfac.distributed import TorchDistributedCommunicator
 from kfac.hyperparams import Hyperparameters
 from kfac.hyperparams import HyperparameterValues
+from kfac.hyperparams import OptimizerLR
 from kfac.layers.base import KFACBaseLayer
 from kfac.state import StateDict
 from kfac.tracing import PhaseTimer
@@ -72,7 +73,6 @@ class BaseKFACPreconditioner:
             [`TorchDistributedCommunicator`][kfac.distributed.TorchDistributedCommunicator].
         aliases: per layer name, further modules sharing its weight whose
             calls count as calls of its module.
-
     """
 
     def __init__(
@@ -159,7 +159,9 @@ class BaseKFACPreconditioner:
             grad_scaler=grad_scaler,
             accumulation_steps=self.options.accumulation_steps,
             in_hook=self.options.update_factors_in_hook,
-            on_complete=self._on_captured,
+            on_complete=lambda name: self._factors.finish(  # once a step
+                name, self.factor_decay, self._steps
+            ),
             phase=self._phase,
             log_once=self._log_once,
             aliases=aliases,
@@ -190,17 +192,12 @@ class BaseKFACPreconditioner:
         timer = self.timer
         return contextlib.nullcontext() if timer is None else timer.phase(name)
 
-    def _on_captured(self, name: str) -> None:
-        # Capture reports a layer once per step (reset at factor updates).
-        self._factors.finish(name, self.factor_decay, self._steps)
-
     def hyperparameter_values(self) -> HyperparameterValues:
         """The hyperparameters' values at the current step (resolved once
         per step; a schedule's value is validated then).
         """
         if self._values is None or self._values[0] != self._steps:
-            values = self.hyperparameters.at(self._steps)
-            self._values = (self._steps, values)
+            self._values = (self._steps, self.hyperparameters.at(self._steps))
         return self._values[1]
 
     @property
@@ -230,7 +227,10 @@ class BaseKFACPreconditioner:
 
     @property
     def lr(self) -> float:
-        """Current learning rate used by KL clipping."""
+        """Current learning rate of the clip (`optimizer=`: read now)."""
+        lr = self.hyperparameters.lr
+        if isinstance(lr, OptimizerLR):
+            return lr(self._steps)
         return self.hyperparameter_values().lr
 
     def set_hyperparameters(self, **values: Any) -> None:

@@ -183,7 +183,9 @@ def test_an_lr_schedule_on_the_optimizer_reaches_the_clip(
     for step in range(3):
         _step(model, precon, optimizer, step)
         assert precon.lr == optimizer.param_groups[0]['lr']
+        precon.hyperparameter_values()  # cached for the coming step
         schedule.step()
+        assert precon.lr == optimizer.param_groups[0]['lr']  # read now
     assert used == [0.4, 0.2, 0.1]
 
 
