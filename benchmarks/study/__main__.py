@@ -1,0 +1,251 @@
+r"""Run (part of) the study and add its runs to a JSON file.
+
+    # the baselines' learning-rate grids, seed 0
+    python -m benchmarks.study --task cnn --optimizers sgd adamw muon --seeds 0
+    # K-FAC variants over a base optimizer at chosen learning rates
+    python -m benchmarks.study --task cnn --optimizers sgd --lrs 0.02 \\
+        --kfac kfac ekfac --seeds 0 1 2
+    # the table and plot of what the file holds, nothing run
+    python -m benchmarks.study --task cnn --report
+
+Runs already in the file (same label and seed) are skipped, so a study
+can be built up over several invocations; within one invocation the runs
+go seed by seed, every configuration of a seed back to back.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pathlib
+import platform
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from benchmarks.study import analysis
+from benchmarks.study import runner
+from benchmarks.study import tasks
+
+RESULTS = pathlib.Path(__file__).parents[1] / 'results'
+
+GRIDS: dict[str, dict[str, list[float]]] = {
+    'cnn': {
+        'sgd': [0.005, 0.01, 0.02, 0.04, 0.08],
+        'adamw': [0.00025, 0.0005, 0.001, 0.002, 0.004],
+        'muon': [0.0005, 0.001, 0.002, 0.004, 0.008],
+    },
+    'gpt': {
+        'sgd': [0.05, 0.1, 0.2, 0.4],
+        'adamw': [0.0015, 0.003, 0.006, 0.012],
+        'muon': [0.0025, 0.005, 0.01, 0.02],
+    },
+    'autoencoder': {
+        'sgd': [0.005, 0.01, 0.02, 0.04],
+        'adamw': [0.00025, 0.0005, 0.001, 0.002],
+        'muon': [0.00025, 0.0005, 0.001, 0.002],
+    },
+}
+"""The learning rates of each optimizer, a factor of 2 apart."""
+
+BASE_KFAC: dict[str, Any] = {
+    'factor_update_steps': 10,
+    'inv_update_steps': 100,
+    'damping': 0.003,
+    'kl_clip': 1.0,
+    'kl_clip_rule': 'relative',
+}
+"""K-FAC's starting point: updates every 10/100 steps, the relative clip."""
+
+VARIANTS: dict[str, dict[str, Any]] = {
+    'kfac': {},
+    'ekfac': {'compute_method': 'ekfac'},
+    'damping0.03': {'damping': 0.03},
+    'damping0.0003': {'damping': 0.0003},
+    'updates5/50': {'factor_update_steps': 5, 'inv_update_steps': 50},
+    'updates20/200': {'factor_update_steps': 20, 'inv_update_steps': 200},
+    'kl0.001': {'kl_clip': 0.001, 'kl_clip_rule': 'kl'},
+    'noclip': {'kl_clip': None},
+}
+"""K-FAC variants: each changes one thing of `BASE_KFAC`."""
+
+
+def _commit() -> str:
+    try:
+        out = subprocess.run(
+            ['git', 'rev-parse', '--short', 'HEAD'],
+            capture_output=True,
+            text=True,
+            check=True,
+        )
+    except (OSError, subprocess.CalledProcessError):
+        return 'unknown'
+    return out.stdout.strip()
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    """The command line."""
+    parser = argparse.ArgumentParser(description=__doc__.split('\n')[0])
+    parser.add_argument('--task', required=True, choices=sorted(GRIDS))
+    parser.add_argument(
+        '--optimizers',
+        nargs='+',
+        default=list(runner.OPTIMIZERS),
+        choices=runner.OPTIMIZERS,
+    )
+    parser.add_argument(
+        '--lrs', nargs='+', type=float, help="default: the optimizer's grid"
+    )
+    parser.add_argument(
+        '--kfac',
+        nargs='+',
+        choices=sorted(VARIANTS),
+        help='K-FAC variants; none: the optimizer alone',
+    )
+    parser.add_argument('--seeds', nargs='+', type=int, default=[0, 1, 2])
+    parser.add_argument('--threads', type=int, default=1)
+    parser.add_argument(
+        '--out',
+        type=pathlib.Path,
+        help='default: benchmarks/results/study_TASK.json',
+    )
+    parser.add_argument(
+        '--report',
+        action='store_true',
+        help='print the table and plot; run nothing',
+    )
+    return parser.parse_args(argv)
+
+
+def configs(args: argparse.Namespace) -> list[runner.Config]:
+    """The configurations the command line asks for."""
+    out = []
+    for name in args.optimizers:
+        for lr in args.lrs or GRIDS[args.task][name]:
+            if not args.kfac:
+                out.append(runner.Config(name, lr))
+            for variant in args.kfac or ():
+                settings = {**BASE_KFAC, **VARIANTS[variant]}
+                out.append(runner.kfac_config(name, lr, variant, settings))
+    return out
+
+
+def _load(path: pathlib.Path) -> dict[str, Any]:
+    if path.exists():
+        loaded: dict[str, Any] = json.loads(path.read_text())
+        return loaded
+    return {'sessions': [], 'runs': []}
+
+
+def plot(
+    document: dict[str, Any], summary: dict[str, Any], path: pathlib.Path
+) -> None:
+    """Metric against training seconds: the median seed of the best
+    configuration of each optimizer alone and with each K-FAC variant.
+    """
+    import matplotlib
+
+    matplotlib.use('Agg')
+    import matplotlib.pyplot as plt
+
+    higher = document['higher_is_better']
+    sign = 1.0 if higher else -1.0
+    best: dict[str, dict[str, Any]] = {}
+    for row in summary['rows']:
+        key = (
+            row['optimizer']
+            if row['kfac'] is None
+            else f'{row["optimizer"]}+{row["kfac"]}'
+        )
+        if (
+            key not in best
+            or sign * row['final_median'] > sign * best[key]['final_median']
+        ):
+            best[key] = row
+    grouped = analysis.groups(document['runs'])
+    figure, axis = plt.subplots(figsize=(8, 5))
+    for _key, row in sorted(best.items()):
+        rows = sorted(
+            grouped[row['label']],
+            key=lambda r: sign * analysis._final(r, higher),
+        )
+        median = rows[len(rows) // 2]
+        steps = [e for e in median['evals'] if e[0] > 0]
+        axis.plot(
+            [e[1] for e in steps],
+            [e[2] for e in steps],
+            label=row['label'],
+            linestyle='-' if row['kfac'] else '--',
+        )
+    axis.axhline(summary['target'], color='grey', linewidth=0.8)
+    axis.set_xlabel('training seconds (evaluation excluded)')
+    axis.set_ylabel(document['metric'])
+    if not higher:
+        axis.set_yscale('log')
+    axis.set_title(
+        f'{document["task"]}: best learning rate of each configuration, '
+        'median seed'
+    )
+    axis.legend(fontsize=7)
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+
+
+def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
+    """Run what is missing, then print the table and save the plot."""
+    args = parse_args(argv)
+    out = args.out or RESULTS / f'study_{args.task}.json'
+    document = _load(out)
+    if not args.report:
+        torch.set_num_threads(args.threads)
+        task = tasks.load(args.task)
+        document.update(
+            task=task.name,
+            metric=task.metric,
+            higher_is_better=task.higher_is_better,
+            steps=task.steps,
+        )
+        done = {(r['label'], r['seed']) for r in document['runs']}
+        document['sessions'].append(
+            {
+                'command': 'python -m benchmarks.study '
+                + ' '.join(argv if argv is not None else sys.argv[1:]),
+                'commit': _commit(),
+                'threads': args.threads,
+                'torch': torch.__version__,
+                'machine': f'{platform.machine()}, {os.cpu_count()} CPUs',
+                'load_average_start': os.getloadavg(),
+                'started': time.strftime('%Y-%m-%d %H:%M:%S'),
+            }
+        )
+        for seed in args.seeds:
+            for config in configs(args):
+                if (config.label, seed) in done:
+                    continue
+                record = runner.run(task, config, seed)
+                record['session'] = len(document['sessions']) - 1
+                document['runs'].append(record)
+                out.write_text(json.dumps(document, indent=1))
+                print(
+                    f'{config.label} seed {seed}: '
+                    f'final {record["final"]:.4g}, {record["seconds"]:.1f} s, '
+                    f'{1000 * record["seconds_per_step"]:.1f} ms/step',
+                    flush=True,
+                )
+        document['sessions'][-1]['load_average_end'] = os.getloadavg()
+        out.write_text(json.dumps(document, indent=1))
+    summary = analysis.summarise(
+        document['runs'], document['higher_is_better']
+    )
+    print(analysis.markdown(summary, document['metric']))
+    plot(document, summary, out.with_suffix('.png'))
+    return summary
+
+
+if __name__ == '__main__':
+    main()

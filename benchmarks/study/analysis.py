@@ -1,0 +1,149 @@
+"""What counts: the best baseline, and everyone's time to its final metric.
+
+The best baseline is the optimizer alone and learning rate with the best
+median final metric over the seeds. Its final metric is the target. A run's
+time to the target is the training time (evaluation excluded) of the first
+evaluation at which its metric is at least as good as the target; a run
+that never gets there counts as never (infinite). Medians are over seeds.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections.abc import Iterable
+from collections.abc import Sequence
+from typing import Any
+
+
+def _worst(higher_is_better: bool) -> float:
+    return -math.inf if higher_is_better else math.inf
+
+
+def _final(run: dict[str, Any], higher_is_better: bool) -> float:
+    value = float(run['final'])
+    return _worst(higher_is_better) if math.isnan(value) else value
+
+
+def reach(
+    run: dict[str, Any], target: float, higher_is_better: bool
+) -> tuple[float, float]:
+    """(step, seconds) of `run`'s first evaluation at or past `target`;
+    (inf, inf) if none is.
+    """
+    for step, seconds, metric in run['evals']:
+        if (higher_is_better and metric >= target) or (
+            not higher_is_better and metric <= target
+        ):
+            return float(step), float(seconds)
+    return math.inf, math.inf
+
+
+def groups(runs: Iterable[dict[str, Any]]) -> dict[str, list[dict[str, Any]]]:
+    """Runs by configuration label, in first-seen order."""
+    grouped: dict[str, list[dict[str, Any]]] = {}
+    for run in runs:
+        grouped.setdefault(run['label'], []).append(run)
+    return grouped
+
+
+def _median(values: Sequence[float]) -> float:
+    return statistics.median(values) if values else math.nan
+
+
+def summarise(
+    runs: Sequence[dict[str, Any]], higher_is_better: bool
+) -> dict[str, Any]:
+    """The best baseline, its target, and one row per configuration.
+
+    Each row: median final metric and its spread (max - min) over seeds,
+    median steps and seconds to the target, median cost per step, the
+    ratio of the median time to the best baseline's, and how many seeds
+    reached the target.
+    """
+    grouped = groups(runs)
+    sign = 1.0 if higher_is_better else -1.0
+    medians = {
+        label: _median([_final(r, higher_is_better) for r in rows])
+        for label, rows in grouped.items()
+    }
+    baselines = [
+        label for label, rows in grouped.items() if rows[0]['kfac'] is None
+    ]
+    if not baselines:
+        raise ValueError(
+            'no baseline runs (optimizer alone) to compare against'
+        )
+    best = max(baselines, key=lambda label: sign * medians[label])
+    target = medians[best]
+    table = []
+    for label, rows in grouped.items():
+        reached = [reach(r, target, higher_is_better) for r in rows]
+        finals = [_final(r, higher_is_better) for r in rows]
+        table.append(
+            {
+                'label': label,
+                'optimizer': rows[0]['optimizer'],
+                'kfac': rows[0]['kfac'],
+                'lr': rows[0]['lr'],
+                'seeds': len(rows),
+                'final_median': medians[label],
+                'final_spread': max(finals) - min(finals),
+                'steps_to_target': _median([s for s, _ in reached]),
+                'seconds_to_target': _median([t for _, t in reached]),
+                'reached': sum(math.isfinite(t) for _, t in reached),
+                'seconds_per_step': _median(
+                    [r['seconds_per_step'] for r in rows]
+                ),
+                'diverged': sum(bool(r['diverged']) for r in rows),
+            }
+        )
+    base_time = next(
+        row['seconds_to_target'] for row in table if row['label'] == best
+    )
+    for row in table:
+        # No ratio when the best baseline diverged or starts at its target.
+        usable = math.isfinite(base_time) and base_time > 0
+        row['time_ratio'] = (
+            row['seconds_to_target'] / base_time if usable else math.nan
+        )
+    return {'best_baseline': best, 'target': target, 'rows': table}
+
+
+def _number(value: float, digits: int = 3) -> str:
+    if math.isinf(value):
+        return 'never'
+    if math.isnan(value):
+        return 'n/a'
+    return f'{value:.{digits}g}'
+
+
+def markdown(summary: dict[str, Any], metric: str) -> str:
+    """The summary as a Markdown table, best baseline first."""
+    rows = sorted(
+        summary['rows'],
+        key=lambda r: (
+            r['label'] != summary['best_baseline'],
+            r['time_ratio'],
+        ),
+    )
+    lines = [
+        f"Target: {metric} {summary['target']:.4g}, the best baseline's "
+        f'({summary["best_baseline"]}) median final value.',
+        '',
+        f'| configuration | seeds | final {metric}, median (spread) '
+        '| steps to target | s to target | s/step | time / best baseline '
+        '| reached |',
+        '| --- | --- | --- | --- | --- | --- | --- | --- |',
+    ]
+    for r in rows:
+        lines.append(
+            f'| {r["label"]} | {r["seeds"]} '
+            f'| {_number(r["final_median"], 4)} '
+            f'({_number(r["final_spread"], 2)}) '
+            f'| {_number(r["steps_to_target"], 4)} '
+            f'| {_number(r["seconds_to_target"])} '
+            f'| {1000 * r["seconds_per_step"]:.1f} ms '
+            f'| {_number(r["time_ratio"], 2)} | {r["reached"]}/{r["seeds"]} |'
+        )
+    return '\n'.join(lines)

@@ -1,0 +1,138 @@
+"""One training run of the study: a task, an optimizer, a learning rate,
+K-FAC's settings (or none) and a seed.
+
+The clock covers the training step only (zeroing, forward, backward, K-FAC,
+clipping, the optimizer); evaluation is excluded.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import time
+from typing import Any
+
+import torch
+from torch import nn
+
+from benchmarks.study.tasks import Task
+from kfac.preconditioner import KFACPreconditioner
+
+OPTIMIZERS = ('sgd', 'adamw', 'muon')
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    """What one run trains with (everything but the seed)."""
+
+    optimizer: str
+    lr: float
+    kfac: str | None = None
+    """The name of a K-FAC variant (`kfac_settings`), None for the
+    optimizer alone."""
+    kfac_kwargs: str = '{}'
+    """K-FAC's keyword arguments as sorted JSON (hashable)."""
+
+    @property
+    def label(self) -> str:
+        """`optimizer lr=...` or `optimizer+variant lr=...`."""
+        head = (
+            self.optimizer
+            if self.kfac is None
+            else f'{self.optimizer}+{self.kfac}'
+        )
+        return f'{head} lr={self.lr:g}'
+
+    def settings(self) -> dict[str, Any]:
+        """K-FAC's keyword arguments."""
+        settings: dict[str, Any] = json.loads(self.kfac_kwargs)
+        return settings
+
+
+def kfac_config(
+    optimizer: str, lr: float, name: str, settings: dict[str, Any]
+) -> Config:
+    """A K-FAC configuration over `optimizer` at `lr`."""
+    return Config(optimizer, lr, name, json.dumps(settings, sort_keys=True))
+
+
+def make_optimizers(
+    name: str, model: nn.Module, lr: float, task: Task
+) -> list[torch.optim.Optimizer]:
+    """SGD (momentum 0.9), AdamW (torch's defaults) or Muon on the task's
+    2-D hidden weights (`adjust_lr_fn='match_rms_adamw'`, so that it shares
+    AdamW's learning rate) with AdamW on the rest; no schedule.
+    """
+    params = list(model.parameters())
+    if name == 'sgd':
+        return [torch.optim.SGD(params, lr=lr, momentum=0.9)]
+    if name == 'adamw':
+        return [torch.optim.AdamW(params, lr=lr)]
+    if name == 'muon':
+        matrices = task.matrices(model)
+        chosen = {id(p) for p in matrices}
+        rest = [p for p in params if id(p) not in chosen]
+        return [
+            torch.optim.Muon(
+                matrices,
+                lr=lr,
+                weight_decay=0.01,
+                adjust_lr_fn='match_rms_adamw',
+            ),
+            torch.optim.AdamW(rest, lr=lr),
+        ]
+    raise ValueError(f'optimizer must be one of {OPTIMIZERS}; got {name!r}')
+
+
+def run(task: Task, config: Config, seed: int) -> dict[str, Any]:
+    """Train `task` with `config` from `seed`; the record of the run.
+
+    `evals` holds `(step, training seconds so far, metric)` from step 0;
+    a loss that is not finite ends the run (`diverged`).
+    """
+    model = task.build(seed)
+    optimizers = make_optimizers(config.optimizer, model, config.lr, task)
+    precon = None
+    if config.kfac is not None:
+        precon = KFACPreconditioner(
+            model, optimizer=optimizers, **config.settings()
+        )
+    batches = task.batches(seed)
+    evals: list[tuple[int, float, float]] = [(0, 0.0, task.evaluate(model))]
+    seconds = 0.0
+    diverged = False
+    for step in range(1, task.steps + 1):
+        batch = next(batches)
+        start = time.perf_counter()
+        for optimizer in optimizers:
+            optimizer.zero_grad(set_to_none=True)
+        loss = task.loss(model, batch)
+        loss.backward()
+        if precon is not None:
+            precon.step()
+        if task.clip_norm is not None:
+            nn.utils.clip_grad_norm_(model.parameters(), task.clip_norm)
+        for optimizer in optimizers:
+            optimizer.step()
+        value = float(loss.detach())  # the host read every loop makes
+        seconds += time.perf_counter() - start
+        if not math.isfinite(value):
+            diverged = True
+            break
+        if step % task.eval_every == 0 or step == task.steps:
+            evals.append((step, seconds, task.evaluate(model)))
+    return {
+        'label': config.label,
+        'optimizer': config.optimizer,
+        'lr': config.lr,
+        'kfac': config.kfac,
+        'kfac_kwargs': config.settings(),
+        'seed': seed,
+        'steps': step,
+        'seconds': seconds,
+        'seconds_per_step': seconds / step,
+        'diverged': diverged,
+        'final': math.nan if diverged else evals[-1][2],
+        'evals': evals,
+    }

@@ -1,0 +1,197 @@
+"""The time-to-target study's harness on tiny data (benchmarks/study).
+
+The study itself runs outside CI; these tests check that its runs train
+what they say and that its analysis picks the best baseline and times the
+others the way the issue defines. No test here asserts a time.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import pathlib
+
+import pytest
+import torch
+
+from benchmarks.study import __main__ as study
+from benchmarks.study import analysis
+from benchmarks.study import runner
+from benchmarks.study import tasks
+from examples.data import ImageData
+
+
+def _images(count: int = 64) -> ImageData:
+    generator = torch.Generator().manual_seed(0)
+    return ImageData(
+        train_images=torch.randn(count, 1, 28, 28, generator=generator),
+        train_labels=torch.randint(0, 10, (count,), generator=generator),
+        test_images=torch.randn(32, 1, 28, 28, generator=generator),
+        test_labels=torch.randint(0, 10, (32,), generator=generator),
+        num_classes=10,
+        source='random',
+    )
+
+
+def _text() -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(0)
+    return (
+        torch.randint(0, 256, (4000,), generator=generator),
+        torch.randint(0, 256, (1000,), generator=generator),
+    )
+
+
+def _tiny(task: tasks.Task) -> tasks.Task:
+    return dataclasses.replace(task, steps=3, eval_every=2)
+
+
+TINY = {
+    'cnn': lambda: _tiny(tasks.cnn(_images(), epochs=1, batch=16)),
+    'gpt': lambda: _tiny(tasks.gpt(_text(), batch=4, valid_windows=8)),
+    'autoencoder': lambda: _tiny(tasks.autoencoder(_images(), batch=16)),
+}
+
+
+@pytest.mark.parametrize('name', sorted(TINY))
+@pytest.mark.parametrize(
+    'config',
+    [
+        runner.Config('sgd', 0.01),
+        runner.Config('muon', 0.001),
+        runner.kfac_config('adamw', 0.001, 'kfac', study.BASE_KFAC),
+    ],
+    ids=['sgd', 'muon', 'adamw+kfac'],
+)
+def test_a_run_trains_and_records(name: str, config: runner.Config) -> None:
+    task = TINY[name]()
+    record = runner.run(task, config, seed=0)
+    steps = [step for step, _, _ in record['evals']]
+    assert steps == [0, 2, 3]
+    seconds = [s for _, s, _ in record['evals']]
+    assert seconds == sorted(seconds) and seconds[0] == 0.0
+    assert record['final'] == record['evals'][-1][2]
+    assert not record['diverged'] and record['steps'] == 3
+    # The same seed starts every optimizer from the same weights and
+    # batches: step 0's metric is the untrained model's.
+    assert record['evals'][0][2] == task.evaluate(task.build(0))
+
+
+@pytest.mark.parametrize('name', sorted(TINY))
+def test_muon_trains_the_hidden_matrices_and_adamw_the_rest(name: str) -> None:
+    task = TINY[name]()
+    model = task.build(0)
+    muon, adamw = runner.make_optimizers('muon', model, 0.01, task)
+    matrices = [p for group in muon.param_groups for p in group['params']]
+    rest = [p for group in adamw.param_groups for p in group['params']]
+    assert matrices and all(p.ndim == 2 for p in matrices)
+    assert {id(p) for p in matrices} | {id(p) for p in rest} == {
+        id(p) for p in model.parameters()
+    }
+    assert not {id(p) for p in matrices} & {id(p) for p in rest}
+    # The output layer (and the tied embedding) is never Muon's.
+    last = [m for m in model.modules() if isinstance(m, torch.nn.Linear)][-1]
+    assert all(p is not last.weight for p in matrices)
+
+
+def test_a_diverging_run_stops_with_the_worst_metric() -> None:
+    task = TINY['autoencoder']()
+    record = runner.run(task, runner.Config('sgd', 1e30), seed=0)
+    assert record['diverged'] and math.isnan(record['final'])
+    summary = analysis.summarise([record], higher_is_better=False)
+    assert summary['rows'][0]['final_median'] == math.inf
+    assert math.isnan(summary['rows'][0]['time_ratio'])
+    assert '| n/a |' in analysis.markdown(summary, 'error')
+
+
+def test_unknown_names_are_refused() -> None:
+    task = TINY['cnn']()
+    with pytest.raises(ValueError, match='optimizer must be one of'):
+        runner.make_optimizers('lamb', task.build(0), 0.1, task)
+    with pytest.raises(ValueError, match='task must be'):
+        tasks.load('mnist')
+
+
+def _run(
+    label: str, kfac: str | None, seed: int, evals: list[tuple[int, float]]
+) -> dict[str, object]:
+    return {
+        'label': label,
+        'optimizer': label.split()[0].split('+')[0],
+        'kfac': kfac,
+        'lr': 0.1,
+        'seed': seed,
+        'steps': evals[-1][0],
+        'seconds_per_step': 1.0,
+        'diverged': False,
+        'final': evals[-1][1],
+        'evals': [(step, float(step), metric) for step, metric in evals],
+    }
+
+
+def test_the_best_baseline_and_the_time_to_its_final_metric() -> None:
+    # Baseline A ends at 80, 82, 84 (median 82); B at 70 every seed.
+    # K-FAC reaches 82 at step 2 on two seeds and never on the third.
+    runs = [
+        _run('sgd lr=0.1', None, s, [(0, 10), (2, 60), (4, 80 + 2 * s)])
+        for s in range(3)
+    ]
+    runs += [
+        _run('adamw lr=0.1', None, s, [(0, 10), (4, 70)]) for s in range(3)
+    ]
+    runs += [
+        _run('sgd+kfac lr=0.1', 'kfac', s, [(0, 10), (2, 90 - 20 * s)])
+        for s in range(3)
+    ]
+    summary = analysis.summarise(runs, higher_is_better=True)
+    assert summary['best_baseline'] == 'sgd lr=0.1'
+    assert summary['target'] == 82
+    rows = {row['label']: row for row in summary['rows']}
+    # Seeds 1 and 2 of the best baseline reach 82 at step 4, seed 0 never:
+    # the median is 4 steps (4 s at one second per step).
+    assert rows['sgd lr=0.1']['seconds_to_target'] == 4
+    assert rows['sgd lr=0.1']['reached'] == 2
+    assert rows['sgd lr=0.1']['time_ratio'] == 1
+    assert rows['adamw lr=0.1']['reached'] == 0
+    assert rows['adamw lr=0.1']['time_ratio'] == math.inf
+    # K-FAC: 90 and 70 and 50 at step 2; only seed 0 reaches: median never.
+    assert rows['sgd+kfac lr=0.1']['reached'] == 1
+    assert rows['sgd+kfac lr=0.1']['final_spread'] == 40
+    table = analysis.markdown(summary, 'accuracy')
+    assert table.splitlines()[4].startswith('| sgd lr=0.1 | 3 | 82 (4) | 4 |')
+    assert 'never' in table
+
+
+def test_lower_is_better_and_no_baseline() -> None:
+    runs = [
+        _run('adamw lr=0.1', None, 0, [(0, 3.0), (5, 1.5)]),
+        _run('adamw+kfac lr=0.1', 'kfac', 0, [(0, 3.0), (2, 1.4)]),
+    ]
+    summary = analysis.summarise(runs, higher_is_better=False)
+    rows = {row['label']: row for row in summary['rows']}
+    assert rows['adamw+kfac lr=0.1']['time_ratio'] == 2 / 5
+    with pytest.raises(ValueError, match='no baseline'):
+        analysis.summarise(runs[1:], higher_is_better=False)
+
+
+def test_the_command_line_builds_up_a_study(
+    tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(tasks, 'load', lambda name: TINY[name]())
+    out = tmp_path / 'study.json'
+    argv = ['--task', 'gpt', '--optimizers', 'adamw', '--lrs', '0.001']
+    study.main([*argv, '--seeds', '0', '--out', str(out)])
+    study.main(
+        [*argv, '--seeds', '0', '1', '--kfac', 'kfac', '--out', str(out)]
+    )
+    document = json.loads(out.read_text())
+    labels = [(r['label'], r['seed']) for r in document['runs']]
+    assert labels == [
+        ('adamw lr=0.001', 0),
+        ('adamw+kfac lr=0.001', 0),
+        ('adamw+kfac lr=0.001', 1),
+    ]
+    assert len(document['sessions']) == 2
+    assert out.with_suffix('.png').stat().st_size > 0
+    summary = study.main(['--task', 'gpt', '--report', '--out', str(out)])
+    assert summary['best_baseline'] == 'adamw lr=0.001'
