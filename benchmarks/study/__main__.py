@@ -107,6 +107,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         choices=sorted(VARIANTS),
         help='K-FAC variants; none: the optimizer alone',
     )
+    parser.add_argument(
+        '--baselines',
+        action='store_true',
+        help='with --kfac: the optimizer alone too, interleaved',
+    )
     parser.add_argument('--seeds', nargs='+', type=int, default=[0, 1, 2])
     parser.add_argument('--threads', type=int, default=1)
     parser.add_argument(
@@ -127,7 +132,7 @@ def configs(args: argparse.Namespace) -> list[runner.Config]:
     out = []
     for name in args.optimizers:
         for lr in args.lrs or GRIDS[args.task][name]:
-            if not args.kfac:
+            if not args.kfac or args.baselines:
                 out.append(runner.Config(name, lr))
             for variant in args.kfac or ():
                 settings = {**BASE_KFAC, **VARIANTS[variant]}

@@ -189,6 +189,7 @@ def test_the_command_line_builds_up_a_study(
     assert labels == [
         ('adamw lr=0.001', 0),
         ('adamw+kfac lr=0.001', 0),
+        ('adamw lr=0.001', 1),
         ('adamw+kfac lr=0.001', 1),
     ]
     assert len(document['sessions']) == 2
