@@ -181,9 +181,8 @@ def test_the_command_line_builds_up_a_study(
     out = tmp_path / 'study.json'
     argv = ['--task', 'gpt', '--optimizers', 'adamw', '--lrs', '0.001']
     study.main([*argv, '--seeds', '0', '--out', str(out)])
-    study.main(
-        [*argv, '--seeds', '0', '1', '--kfac', 'kfac', '--out', str(out)]
-    )
+    more = ['--seeds', '0', '1', '--kfac', 'kfac', '--baselines']
+    study.main([*argv, *more, '--out', str(out)])
     document = json.loads(out.read_text())
     labels = [(r['label'], r['seed']) for r in document['runs']]
     assert labels == [
