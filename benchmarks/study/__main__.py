@@ -74,6 +74,10 @@ VARIANTS: dict[str, dict[str, Any]] = {
 }
 """K-FAC variants: each changes one thing of `BASE_KFAC`."""
 
+DEFAULTS = 'defaults'
+"""The variant that sets nothing: `KFACPreconditioner(model,
+optimizer=optimizer)` with the library's defaults."""
+
 
 def _commit() -> str:
     try:
@@ -104,7 +108,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         '--kfac',
         nargs='+',
-        choices=sorted(VARIANTS),
+        choices=sorted([*VARIANTS, DEFAULTS]),
         help='K-FAC variants; none: the optimizer alone',
     )
     parser.add_argument(
@@ -135,7 +139,11 @@ def configs(args: argparse.Namespace) -> list[runner.Config]:
             if not args.kfac or args.baselines:
                 out.append(runner.Config(name, lr))
             for variant in args.kfac or ():
-                settings = {**BASE_KFAC, **VARIANTS[variant]}
+                settings = (
+                    {}
+                    if variant == DEFAULTS
+                    else {**BASE_KFAC, **VARIANTS[variant]}
+                )
                 out.append(runner.kfac_config(name, lr, variant, settings))
     return out
 

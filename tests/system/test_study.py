@@ -195,3 +195,12 @@ def test_the_command_line_builds_up_a_study(
     assert out.with_suffix('.png').stat().st_size > 0
     summary = study.main(['--task', 'gpt', '--report', '--out', str(out)])
     assert summary['best_baseline'] == 'adamw lr=0.001'
+    assert document['runs'][1]['kfac_kwargs'] == study.BASE_KFAC
+
+
+def test_the_defaults_variant_sets_nothing() -> None:
+    argv = ['--task', 'cnn', '--optimizers', 'sgd', '--lrs', '0.1']
+    args = study.parse_args([*argv, '--kfac', 'defaults', 'ekfac'])
+    defaults, ekfac = study.configs(args)
+    assert defaults.settings() == {}
+    assert ekfac.settings() == {**study.BASE_KFAC, 'compute_method': 'ekfac'}
