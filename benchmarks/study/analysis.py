@@ -5,6 +5,8 @@ median final metric over the seeds. Its final metric is the target. A run's
 time to the target is the training time (evaluation excluded) of the first
 evaluation at which its metric is at least as good as the target; a run
 that never gets there counts as never (infinite). Medians are over seeds.
+Times are CPU seconds (the ratio's clock) and wall seconds, both measured
+by `runner.run`.
 """
 
 from __future__ import annotations
@@ -27,16 +29,16 @@ def _final(run: dict[str, Any], higher_is_better: bool) -> float:
 
 def reach(
     run: dict[str, Any], target: float, higher_is_better: bool
-) -> tuple[float, float]:
-    """(step, seconds) of `run`'s first evaluation at or past `target`;
-    (inf, inf) if none is.
+) -> tuple[float, float, float]:
+    """(step, wall seconds, CPU seconds) of `run`'s first evaluation at or
+    past `target`; all infinite if none is.
     """
-    for step, seconds, metric in run['evals']:
+    for step, seconds, metric, cpu in run['evals']:
         if (higher_is_better and metric >= target) or (
             not higher_is_better and metric <= target
         ):
-            return float(step), float(seconds)
-    return math.inf, math.inf
+            return float(step), float(seconds), float(cpu)
+    return math.inf, math.inf, math.inf
 
 
 def groups(runs: Iterable[dict[str, Any]]) -> dict[str, list[dict[str, Any]]]:
@@ -89,23 +91,27 @@ def summarise(
                 'seeds': len(rows),
                 'final_median': medians[label],
                 'final_spread': max(finals) - min(finals),
-                'steps_to_target': _median([s for s, _ in reached]),
-                'seconds_to_target': _median([t for _, t in reached]),
-                'reached': sum(math.isfinite(t) for _, t in reached),
+                'steps_to_target': _median([r[0] for r in reached]),
+                'seconds_to_target': _median([r[1] for r in reached]),
+                'cpu_seconds_to_target': _median([r[2] for r in reached]),
+                'reached': sum(math.isfinite(r[0]) for r in reached),
                 'seconds_per_step': _median(
                     [r['seconds_per_step'] for r in rows]
+                ),
+                'cpu_seconds_per_step': _median(
+                    [r['cpu_seconds_per_step'] for r in rows]
                 ),
                 'diverged': sum(bool(r['diverged']) for r in rows),
             }
         )
     base_time = next(
-        row['seconds_to_target'] for row in table if row['label'] == best
+        row['cpu_seconds_to_target'] for row in table if row['label'] == best
     )
     for row in table:
         # No ratio when the best baseline diverged or starts at its target.
         usable = math.isfinite(base_time) and base_time > 0
         row['time_ratio'] = (
-            row['seconds_to_target'] / base_time if usable else math.nan
+            row['cpu_seconds_to_target'] / base_time if usable else math.nan
         )
     return {'best_baseline': best, 'target': target, 'rows': table}
 
@@ -124,7 +130,7 @@ def markdown(summary: dict[str, Any], metric: str) -> str:
         summary['rows'],
         key=lambda r: (
             r['label'] != summary['best_baseline'],
-            r['time_ratio'],
+            math.inf if math.isnan(r['time_ratio']) else r['time_ratio'],
         ),
     )
     lines = [
@@ -132,9 +138,9 @@ def markdown(summary: dict[str, Any], metric: str) -> str:
         f'({summary["best_baseline"]}) median final value.',
         '',
         f'| configuration | seeds | final {metric}, median (spread) '
-        '| steps to target | s to target | s/step | time / best baseline '
-        '| reached |',
-        '| --- | --- | --- | --- | --- | --- | --- | --- |',
+        '| steps to target | CPU s to target | wall s to target '
+        '| CPU ms/step | CPU time / best baseline | reached |',
+        '| --- | --- | --- | --- | --- | --- | --- | --- | --- |',
     ]
     for r in rows:
         lines.append(
@@ -142,8 +148,9 @@ def markdown(summary: dict[str, Any], metric: str) -> str:
             f'| {_number(r["final_median"], 4)} '
             f'({_number(r["final_spread"], 2)}) '
             f'| {_number(r["steps_to_target"], 4)} '
+            f'| {_number(r["cpu_seconds_to_target"])} '
             f'| {_number(r["seconds_to_target"])} '
-            f'| {1000 * r["seconds_per_step"]:.1f} ms '
+            f'| {1000 * r["cpu_seconds_per_step"]:.1f} '
             f'| {_number(r["time_ratio"], 2)} | {r["reached"]}/{r["seeds"]} |'
         )
     return '\n'.join(lines)

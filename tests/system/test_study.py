@@ -66,10 +66,11 @@ TINY = {
 def test_a_run_trains_and_records(name: str, config: runner.Config) -> None:
     task = TINY[name]()
     record = runner.run(task, config, seed=0)
-    steps = [step for step, _, _ in record['evals']]
+    steps = [e[0] for e in record['evals']]
     assert steps == [0, 2, 3]
-    seconds = [s for _, s, _ in record['evals']]
-    assert seconds == sorted(seconds) and seconds[0] == 0.0
+    for clock in (1, 3):
+        seconds = [e[clock] for e in record['evals']]
+        assert seconds == sorted(seconds) and seconds[0] == 0.0
     assert record['final'] == record['evals'][-1][2]
     assert not record['diverged'] and record['steps'] == 3
     # The same seed starts every optimizer from the same weights and
@@ -123,9 +124,11 @@ def _run(
         'seed': seed,
         'steps': evals[-1][0],
         'seconds_per_step': 1.0,
+        'cpu_seconds_per_step': 0.5,
         'diverged': False,
         'final': evals[-1][1],
-        'evals': [(step, float(step), metric) for step, metric in evals],
+        # wall seconds = step, CPU seconds = step / 2
+        'evals': [(s, float(s), metric, s / 2) for s, metric in evals],
     }
 
 
@@ -148,8 +151,9 @@ def test_the_best_baseline_and_the_time_to_its_final_metric() -> None:
     assert summary['target'] == 82
     rows = {row['label']: row for row in summary['rows']}
     # Seeds 1 and 2 of the best baseline reach 82 at step 4, seed 0 never:
-    # the median is 4 steps (4 s at one second per step).
+    # the median is 4 steps (4 s at one second per step, 2 CPU seconds).
     assert rows['sgd lr=0.1']['seconds_to_target'] == 4
+    assert rows['sgd lr=0.1']['cpu_seconds_to_target'] == 2
     assert rows['sgd lr=0.1']['reached'] == 2
     assert rows['sgd lr=0.1']['time_ratio'] == 1
     assert rows['adamw lr=0.1']['reached'] == 0
@@ -158,7 +162,9 @@ def test_the_best_baseline_and_the_time_to_its_final_metric() -> None:
     assert rows['sgd+kfac lr=0.1']['reached'] == 1
     assert rows['sgd+kfac lr=0.1']['final_spread'] == 40
     table = analysis.markdown(summary, 'accuracy')
-    assert table.splitlines()[4].startswith('| sgd lr=0.1 | 3 | 82 (4) | 4 |')
+    assert table.splitlines()[4] == (
+        '| sgd lr=0.1 | 3 | 82 (4) | 4 | 2 | 4 | 500.0 | 1 | 2/3 |'
+    )
     assert 'never' in table
 
 
