@@ -17,11 +17,13 @@ from collections.abc import Mapping
 from typing import Any
 
 import torch
+from torch import nn
 
 from kfac.enums import AssignmentStrategy
 from kfac.enums import ComputeMethod
 from kfac.enums import DistributedStrategy
 from kfac.enums import parse_enum
+from kfac.layers.attention import convert_attention
 from kfac.layers.base import KFACBaseLayer
 from kfac.layers.eigen import BASIS_REFRESHES
 from kfac.layers.eigen import KFACEigenLayer
@@ -30,8 +32,11 @@ from kfac.layers.helper import ModuleHelper
 from kfac.layers.inverse import KFACInverseLayer
 from kfac.layers.options import DEFAULT_MAX_FACTOR_DIM
 from kfac.layers.options import KFAC_APPROXIMATIONS
+from kfac.layers.options import ModuleOptions
 from kfac.layers.options import check_module_options
+from kfac.layers.register import Registration
 from kfac.layers.register import compile_patterns
+from kfac.layers.register import register_model
 from kfac.layers.statistics import check_loss_average
 from kfac.layers.tied import KFACTiedEigenLayer
 from kfac.layers.tied import KFACTiedEKFACLayer
@@ -202,6 +207,32 @@ class KFACConfig:
                 "none (leave basis_refresh='eigh')",
             )
         _check_mc(self)
+
+    def register(self, model: nn.Module) -> Registration:
+        """Register the modules of `model` (unwrapped) under these options.
+
+        Raises:
+            ValueError: no module can be preconditioned.
+        """
+        convert_attention(model)
+        registration = register_model(
+            model,
+            skip_layers=self.skip_layers,
+            defaults=ModuleOptions(
+                batch_first=self.batch_first,
+                kfac_approx=self.kfac_approx,
+                max_factor_dim=self.max_factor_dim,
+            ),
+            module_options=self.module_options,
+        )
+        if not registration.helpers:
+            raise ValueError(
+                'model has no module K-FAC can precondition: it needs an '
+                'nn.Linear, a convolution, an nn.Embedding or an attention '
+                'module whose weight requires grad and that skip_layers '
+                'does not exclude (see describe() for the reasons)',
+            )
+        return registration
 
     def make_layer(self, helper: ModuleHelper) -> KFACBaseLayer:
         """The layer of `compute_method` (tied or not) for `helper`."""

@@ -34,11 +34,7 @@ from kfac.hyperparams import Hyperparameters
 from kfac.hyperparams import OptimizerLike
 from kfac.hyperparams import OptimizerLR
 from kfac.hyperparams import check_optimizers
-from kfac.layers.attention import convert_attention
 from kfac.layers.options import DEFAULT_MAX_FACTOR_DIM
-from kfac.layers.options import ModuleOptions
-from kfac.layers.register import Registration
-from kfac.layers.register import register_model
 from kfac.state import StateDict
 from kfac.state import parse_fisher
 from kfac.validation import check_instance
@@ -248,7 +244,7 @@ class KFACPreconditioner(BaseKFACPreconditioner):
         check_model(unwrap(model))
         self.config = config
         self.model = model
-        self.registration = self._register(model, config)
+        self.registration = config.register(unwrap(model))
         modules = dict(unwrap(model).named_modules())
         self._frozen = {
             entry.name: modules[entry.name].weight
@@ -310,28 +306,6 @@ class KFACPreconditioner(BaseKFACPreconditioner):
         logger.info('%s', format_report(self._report))
         logger.log(config.loglevel, 'K-FAC: %s; %s', config, assignment)
 
-    @staticmethod
-    def _register(model: nn.Module, config: KFACConfig) -> Registration:
-        convert_attention(unwrap(model))
-        registration = register_model(
-            unwrap(model),
-            skip_layers=config.skip_layers,
-            defaults=ModuleOptions(
-                batch_first=config.batch_first,
-                kfac_approx=config.kfac_approx,
-                max_factor_dim=config.max_factor_dim,
-            ),
-            module_options=config.module_options,
-        )
-        if not registration.helpers:
-            raise ValueError(
-                'model has no module K-FAC can precondition: it needs an '
-                'nn.Linear, a convolution, an nn.Embedding or an attention '
-                'module whose weight requires grad and that skip_layers '
-                'does not exclude (see describe() for the reasons)',
-            )
-        return registration
-
     def sample_fisher(
         self,
         output: torch.Tensor,
@@ -344,8 +318,25 @@ class KFACPreconditioner(BaseKFACPreconditioner):
         `mc_samples` backward passes of `loss` at targets sampled from the
         model's `output`, which feed `G` (no `.grad` is written); else
         nothing. Call after each forward pass, before `loss.backward()`.
-        The arguments are those of
-        [`FisherSampler.sample`][kfac._engine.fisher.FisherSampler.sample].
+
+        Args:
+            output: the model output: logits with classes last, `(N, C)` or
+                `(N, ..., C)`, for `'cross_entropy'`; any `(N, ...)` for
+                `'mse'` (a Gaussian of the variance the loss implies, see
+                [`kfac.math.fisher`][kfac.math.fisher]).
+            loss: `'cross_entropy'` or `'mse'`.
+            mask: `'cross_entropy'`: bool, `output.shape[:-1]`, the
+                positions the loss counts (`target != ignore_index`).
+            indices: the global index of each example, `(N,)` (default:
+                rank `r`'s `i`-th example of the `m`-th forward pass of the
+                step is `(m W + r) N + i`, `W` ranks).
+
+        Raises:
+            TypeError, ValueError: a bad argument; at the sampled pass,
+                with `mc_samples > 1`, a registered module whose output has
+                no batch dimension.
+            RuntimeError: (from `loss.backward()`) a factor-update step
+                whose forward pass was not sampled.
         """
         self.fisher.sample(output, loss, mask=mask, indices=indices)
 
