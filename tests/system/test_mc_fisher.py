@@ -134,13 +134,17 @@ def test_masked_tokens_are_left_out_as_ignore_index() -> None:
         assert torch.equal(g_factors(precon)[name], g), name
 
 
-def test_mse_samples_a_gaussian_of_the_loss_variance() -> None:
-    """MSE: `ŷ = f + √(E/2) ε` with the reference's normals; the empirical
-    `G` at `ŷ` (E = 3 outputs per example).
+@pytest.mark.parametrize('loss_average', ['batch', None])
+def test_mse_samples_a_gaussian_of_the_loss_variance(
+    loss_average: str | None,
+) -> None:
+    """MSE: `ŷ = f + √(E/2) ε` with the reference's normals (E = 3 outputs
+    per example; `σ² = 1/2` for a summed loss); the empirical `G` at `ŷ`.
     """
     x, _ = data()
     net = model()
-    mc = g_factors(mc_step(copy.deepcopy(net), x, 'mse', mc_seed=3))
+    options: dict[str, Any] = {'mc_seed': 3, 'loss_average': loss_average}
+    mc = g_factors(mc_step(copy.deepcopy(net), x, 'mse', **options))
     out = net(x).detach()
     u = torch.tensor(
         [
@@ -152,10 +156,12 @@ def test_mse_samples_a_gaussian_of_the_loss_variance() -> None:
         ],
         dtype=F64,
     )
-    target = out + gaussian_noise(u) * math.sqrt(C / 2)
+    variance = C / 2 if loss_average else 1 / 2
+    target = out + gaussian_noise(u) * math.sqrt(variance)
     twin = copy.deepcopy(net)
-    precon = KFACPreconditioner(twin, kl_clip=None)
-    F.mse_loss(twin(x), target).backward()
+    precon = KFACPreconditioner(twin, kl_clip=None, loss_average=loss_average)
+    reduction = 'mean' if loss_average else 'sum'
+    F.mse_loss(twin(x), target, reduction=reduction).backward()
     precon.step()
     for name, g in g_factors(precon).items():
         assert torch.equal(mc[name], g), name
