@@ -146,23 +146,23 @@ class FisherSampler:
         scale = self._capture.scale.for_sampling()
         factor = scale / (self._accumulation * self.samples)
         key = (self.seed, self._steps(), indices)
+        terms = self._terms(output)
         with self._capture.scale.pinned(scale):
-            for sample in range(self.samples):
-                u = uniforms(*key, sample, positions, draws)
-                value = mc_loss(
-                    output, loss, u, mask=mask, terms=self._terms(output)
-                )
-                self._pass = sample
-                try:
+            try:
+                for sample in range(self.samples):
+                    u = uniforms(*key, sample, positions, draws)
+                    value = mc_loss(output, loss, u, mask=mask, terms=terms)
+                    self._pass = sample
                     torch.autograd.grad(
                         value * factor,
                         weights,
                         retain_graph=True,
                         allow_unused=True,
                     )
-                finally:
                     self._pass = None
-        self._kept.clear()
+            finally:
+                self._pass = None
+                self._kept.clear()
 
     def _terms(self, output: torch.Tensor) -> int | None:
         """`Z`, the terms the loss averages over (None: summed)."""

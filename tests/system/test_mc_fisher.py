@@ -492,3 +492,53 @@ def test_a_malformed_fisher_entry_is_refused() -> None:
             precon.load_state_dict(state)
     with pytest.raises(TypeError, match='mapping'):
         parse_fisher([1])
+
+
+class Checkpointed(nn.Module):
+    """`model()`'s layers, the first (and its activation) checkpointed
+    (`reentrant` None: not checkpointed).
+    """
+
+    def __init__(self, reentrant: bool | None) -> None:
+        super().__init__()
+        self.net = model()
+        self.reentrant = reentrant
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        first, act, last = self.net
+
+        def hidden(v: torch.Tensor) -> torch.Tensor:
+            out: torch.Tensor = act(first(v))
+            return out
+
+        if self.reentrant is None:
+            return last(hidden(x))  # type: ignore[no-any-return]  # a Linear
+        kept = torch.utils.checkpoint.checkpoint(
+            hidden, x, use_reentrant=self.reentrant
+        )
+        return last(kept)  # type: ignore[no-any-return]  # a Linear
+
+
+def checkpointed_g(reentrant: bool | None) -> dict[str, torch.Tensor]:
+    x, y = data()
+    net = Checkpointed(reentrant)
+    precon = KFACPreconditioner(
+        net, fisher_type='mc', mc_samples=2, kl_clip=None
+    )
+    out = net(x.requires_grad_(reentrant is not None))
+    precon.sample_fisher(out)
+    F.cross_entropy(out, y).backward()
+    precon.step()
+    return g_factors(precon)
+
+
+def test_activation_checkpointing() -> None:
+    """Non-reentrant checkpointing samples as without it; the reentrant
+    kind recomputes a forward pass in the real backward pass, which is
+    refused.
+    """
+    plain = checkpointed_g(None)
+    for name, g in checkpointed_g(False).items():
+        assert torch.equal(g, plain[name]), name
+    with pytest.raises(RuntimeError, match='not sampled'):
+        checkpointed_g(True)
