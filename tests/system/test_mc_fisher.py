@@ -32,6 +32,7 @@ from kfac.preconditioner import KFACPreconditioner
 from kfac.state import parse_fisher
 from testing.asserts import WORST
 from testing.asserts import assert_rel_close
+from testing.curvlinops import curvlinops_factors
 from testing.reference import py_class
 from testing.reference import py_classes
 from testing.reference import py_uniform
@@ -245,6 +246,26 @@ def test_many_samples_converge_to_the_exact_fisher(loss: str) -> None:
         empirical = g_factors(precon)['2']
         assert float(torch.linalg.matrix_norm(empirical - exact)) > (
             3 * tolerance
+        )
+
+
+def test_the_exact_reference_is_curvlinops_type_2() -> None:
+    """curvlinops' exact Fisher (`fisher_type='type-2'`, from the loss's
+    Hessian) has the `G` the convergence test converges to.
+    """
+    x, y = data()
+    net = model()
+    factors = curvlinops_factors(
+        net,
+        nn.CrossEntropyLoss(),
+        x,
+        y,
+        num_per_example_loss_terms=1,
+        fisher_type='type-2',
+    )
+    for name, (exact, _) in exact_moments('cross_entropy', net, x).items():
+        assert_rel_close(
+            factors[name][1], exact, rtol=1e-12, label='mc-fisher exact G'
         )
 
 
