@@ -366,17 +366,13 @@ def _options(options: object) -> dict[str, str]:
 
 
 def parse_fisher(state: object) -> FisherState | None:
-    """The `'fisher'` entry of `state`, checked; None if it has none.
+    """The `'fisher'` entry of `state`, checked; None if it has none (or
+    `state` is no mapping, which `parse_state` refuses).
 
     Raises:
-        TypeError: `state` is not a mapping.
         ValueError: the entry is malformed.
     """
-    if not isinstance(state, Mapping):
-        raise TypeError(
-            f'state_dict must be a mapping; got {type(state).__name__}',
-        )
-    entry = state.get('fisher')
+    entry = state.get('fisher') if isinstance(state, Mapping) else None
     if entry is None:
         return None
     if not (

@@ -511,8 +511,9 @@ def test_a_malformed_fisher_entry_is_refused() -> None:
         state['fisher'] = bad
         with pytest.raises(ValueError, match='fisher'):
             precon.load_state_dict(state)
+    assert parse_fisher([1]) is None
     with pytest.raises(TypeError, match='mapping'):
-        parse_fisher([1])
+        precon.load_state_dict([1])  # type: ignore[arg-type]  # on purpose
 
 
 class Checkpointed(nn.Module):
