@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import copy
 import math
+from collections.abc import Iterator
 from typing import Any
 from typing import cast
 
@@ -39,6 +40,17 @@ from testing.reference import py_uniform
 
 F64 = torch.float64
 N, D_IN, HIDDEN, C = 6, 4, 5, 3
+
+
+@pytest.fixture(autouse=True)
+def _one_thread() -> Iterator[None]:
+    """One intra-op thread: these models are tiny, and on a loaded 2-core
+    machine a 2-thread softmax of 6 rows waits ~15 ms on the other thread.
+    """
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
 
 
 def model() -> nn.Sequential:
