@@ -57,7 +57,9 @@ class Config:
 
     ``compile_mode`` (a ``torch.compile`` mode, ``'default'`` for its
     default) trains the compiled model, K-FAC built on it;
-    ``arithmetic`` passes ``compile_arithmetic=True``.
+    ``arithmetic`` passes ``compile_arithmetic=True``; ``fisher`` is
+    ``fisher_type`` (``'mc'``: ``sample_fisher`` before each backward pass,
+    one extra backward pass on each factor-update step).
     """
 
     name: str
@@ -67,6 +69,7 @@ class Config:
     approx: str = 'expand'
     compile_mode: str | None = None
     arithmetic: bool = False
+    fisher: str = 'empirical'
 
 
 CONFIGS = (
@@ -75,13 +78,14 @@ CONFIGS = (
     Config('eigen 10/100', 'eigen', 10, 100),
     Config('inverse 1/1', 'inverse', 1, 1),
     Config('inverse 10/100', 'inverse', 10, 100),
+    Config('eigen 10/100 mc', 'eigen', 10, 100, fisher='mc'),
 )
 #: The same K-FAC configurations with ``kfac_approx='reduce'``, for models
 #: whose layers share weights across positions.
 REDUCE_CONFIGS = tuple(
     dataclasses.replace(c, name=f'{c.name} reduce', approx='reduce')
     for c in CONFIGS
-    if c.method is not None
+    if c.method is not None and c.fisher == 'empirical'
 )
 
 
@@ -160,6 +164,7 @@ class Runner:
                 skip_layers=bench.skip_layers,
                 kfac_approx=config.approx,
                 compile_arithmetic=config.arithmetic,
+                fisher_type=config.fisher,
                 **bench.kfac_options,
             )
             self.preconditioner.timer = self.timer
@@ -177,6 +182,8 @@ class Runner:
         self.optimizer.zero_grad()
         batch = self.steps % len(self.inputs)
         output = self.net(self.inputs[batch])
+        if self.preconditioner is not None and self.config.fisher == 'mc':
+            self.preconditioner.sample_fisher(output)
         loss = self.loss_fn(output, self.target[batch])
         loss.backward()
         if self.preconditioner is not None:

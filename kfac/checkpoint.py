@@ -16,7 +16,8 @@ load_dcp(precon, path)  # every rank
 flattened to one level of keys (DCP saves every tensor and value under
 its key; non-tensor values are pickled):
 
-* `version`, `steps`, `hyperparameters.<name>`, `options.<name>` and
+* `version`, `steps`, `hyperparameters.<name>`, `options.<name>`,
+  `fisher.<name>` (the Monte Carlo Fisher's settings) and
   `factors.<layer>.<A|G|S>`: the same on every rank (factors and EKFAC's
   scaling `S` are allreduced), so DCP writes each once;
 * `decompositions.<layer>.format` and `decompositions.<layer>.<A|G>.<i>`:
@@ -56,6 +57,7 @@ _DECOMPOSITIONS = 'decompositions.'
 _FACTORS = 'factors.'
 _HYPERPARAMETERS = 'hyperparameters.'
 _OPTIONS = 'options.'
+_FISHER = 'fisher.'
 
 
 def flatten_state(state: Mapping[str, Any]) -> dict[str, Any]:
@@ -70,6 +72,8 @@ def flatten_state(state: Mapping[str, Any]) -> dict[str, Any]:
         flat[_HYPERPARAMETERS + key] = value
     for key, value in state.get('options', {}).items():
         flat[_OPTIONS + key] = value
+    for key, value in state.get('fisher', {}).items():
+        flat[_FISHER + key] = value
     for name, factors in state['layers'].items():
         for key, tensor in factors.items():
             flat[f'{_FACTORS}{name}.{key}'] = tensor
@@ -96,6 +100,8 @@ def unflatten_state(flat: Mapping[str, Any]) -> dict[str, Any]:
             state['hyperparameters'][key[len(_HYPERPARAMETERS) :]] = value
         elif key.startswith(_OPTIONS):
             state.setdefault('options', {})[key[len(_OPTIONS) :]] = value
+        elif key.startswith(_FISHER):
+            state.setdefault('fisher', {})[key[len(_FISHER) :]] = value
         elif key.startswith(_FACTORS) and key[-2:] in ('.A', '.G', '.S'):
             name = key[len(_FACTORS) : -2]
             state['layers'].setdefault(name, {})[key[-1]] = value

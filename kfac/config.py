@@ -17,18 +17,33 @@ from collections.abc import Mapping
 from typing import Any
 
 import torch
+from torch import nn
 
 from kfac.enums import AssignmentStrategy
 from kfac.enums import ComputeMethod
 from kfac.enums import DistributedStrategy
 from kfac.enums import parse_enum
+from kfac.layers.attention import convert_attention
+from kfac.layers.base import KFACBaseLayer
 from kfac.layers.eigen import BASIS_REFRESHES
+from kfac.layers.eigen import KFACEigenLayer
+from kfac.layers.ekfac import KFACEKFACLayer
+from kfac.layers.helper import ModuleHelper
+from kfac.layers.inverse import KFACInverseLayer
 from kfac.layers.options import DEFAULT_MAX_FACTOR_DIM
 from kfac.layers.options import KFAC_APPROXIMATIONS
+from kfac.layers.options import ModuleOptions
 from kfac.layers.options import check_module_options
+from kfac.layers.register import Registration
 from kfac.layers.register import compile_patterns
+from kfac.layers.register import register_model
 from kfac.layers.statistics import check_loss_average
+from kfac.layers.tied import KFACTiedEigenLayer
+from kfac.layers.tied import KFACTiedEKFACLayer
+from kfac.layers.tied import KFACTiedInverseLayer
+from kfac.layers.tied import TiedHelper
 from kfac.math import KL_CLIP_RULES
+from kfac.math.fisher import FISHER_TYPES
 from kfac.placement import parse_grad_worker_fraction
 from kfac.validation import check_bool
 from kfac.validation import check_choice
@@ -101,6 +116,9 @@ class KFACConfig:
     kl_clip_rule: str = 'kl'
     basis_refresh: str = 'eigh'
     compile_arithmetic: bool = False
+    fisher_type: str = 'empirical'
+    mc_samples: int = 1
+    mc_seed: int = 0
 
     def __post_init__(self) -> None:
         checked = {
@@ -147,6 +165,11 @@ class KFACConfig:
             'basis_refresh': check_choice(
                 'basis_refresh', self.basis_refresh, BASIS_REFRESHES
             ),
+            'fisher_type': check_choice(
+                'fisher_type', self.fisher_type, FISHER_TYPES
+            ),
+            'mc_samples': validate_int('mc_samples', self.mc_samples),
+            'mc_seed': validate_int('mc_seed', self.mc_seed, minimum=0),
             'module_options': {
                 pattern: dict(options)
                 for pattern, options in check_module_options(
@@ -183,6 +206,75 @@ class KFACConfig:
                 "it needs compute_method='eigen' or 'ekfac'; INVERSE has "
                 "none (leave basis_refresh='eigh')",
             )
+        _check_mc(self)
+
+    def register(self, model: nn.Module) -> Registration:
+        """Register the modules of `model` (unwrapped) under these options.
+
+        Raises:
+            ValueError: no module can be preconditioned.
+        """
+        convert_attention(model)
+        registration = register_model(
+            model,
+            skip_layers=self.skip_layers,
+            defaults=ModuleOptions(
+                batch_first=self.batch_first,
+                kfac_approx=self.kfac_approx,
+                max_factor_dim=self.max_factor_dim,
+            ),
+            module_options=self.module_options,
+        )
+        if not registration.helpers:
+            raise ValueError(
+                'model has no module K-FAC can precondition: it needs an '
+                'nn.Linear, a convolution, an nn.Embedding or an attention '
+                'module whose weight requires grad and that skip_layers '
+                'does not exclude (see describe() for the reasons)',
+            )
+        return registration
+
+    def make_layer(self, helper: ModuleHelper) -> KFACBaseLayer:
+        """The layer of `compute_method` (tied or not) for `helper`."""
+        tied = isinstance(helper, TiedHelper)
+        if self.compute_method in _EIGENBASES:
+            kinds = _EIGENBASES[ComputeMethod(self.compute_method)]
+            return kinds[tied](
+                helper,
+                prediv_eigenvalues=self.compute_eigenvalue_outer_product,
+                basis_refresh=self.basis_refresh,
+                factor_dtype=self.factor_dtype,
+                inv_dtype=self.inv_dtype,
+                loss_average=self.loss_average,
+            )
+        return (KFACTiedInverseLayer if tied else KFACInverseLayer)(
+            helper,
+            factor_dtype=self.factor_dtype,
+            inv_dtype=self.inv_dtype,
+            loss_average=self.loss_average,
+        )
+
+
+_EIGENBASES = {
+    ComputeMethod.EIGEN: (KFACEigenLayer, KFACTiedEigenLayer),
+    ComputeMethod.EKFAC: (KFACEKFACLayer, KFACTiedEKFACLayer),
+}
+
+
+def _check_mc(config: KFACConfig) -> None:
+    """Raise `ValueError` for Monte Carlo options no code path takes."""
+    if config.mc_seed >= 1 << 63:
+        raise ValueError(f'mc_seed must be < 2**63; got {config.mc_seed}')
+    if (
+        config.fisher_type == 'mc'
+        and config.mc_samples > 1
+        and config.compute_method is ComputeMethod.EKFAC
+    ):
+        raise ValueError(
+            f'mc_samples={config.mc_samples} is not supported with '
+            "compute_method='ekfac' (its per-example scaling needs one "
+            'gradient per example); use mc_samples=1',
+        )
 
 
 @dataclasses.dataclass(frozen=True)

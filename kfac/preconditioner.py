@@ -4,19 +4,19 @@ from __future__ import annotations
 
 import copy
 import logging
-import sys
 from collections.abc import Callable
 from collections.abc import Iterable
 from collections.abc import Mapping
 from typing import Any
-from typing import cast
 
 import torch
 from torch import nn
 
+from kfac._engine.fisher import FisherSampler
 from kfac._engine.fsdp import check_model
 from kfac._engine.report import describe_registration
 from kfac._engine.report import format_report
+from kfac._engine.wrappers import unwrap
 from kfac.assignment import KAISAAssignment
 from kfac.assignment import decomposition_work
 from kfac.base_preconditioner import BaseKFACPreconditioner
@@ -34,74 +34,14 @@ from kfac.hyperparams import Hyperparameters
 from kfac.hyperparams import OptimizerLike
 from kfac.hyperparams import OptimizerLR
 from kfac.hyperparams import check_optimizers
-from kfac.layers.attention import convert_attention
-from kfac.layers.base import KFACBaseLayer
-from kfac.layers.eigen import KFACEigenLayer
-from kfac.layers.ekfac import KFACEKFACLayer
-from kfac.layers.helper import ModuleHelper
-from kfac.layers.inverse import KFACInverseLayer
 from kfac.layers.options import DEFAULT_MAX_FACTOR_DIM
-from kfac.layers.options import ModuleOptions
-from kfac.layers.register import Registration
-from kfac.layers.register import register_model
-from kfac.layers.tied import KFACTiedEigenLayer
-from kfac.layers.tied import KFACTiedEKFACLayer
-from kfac.layers.tied import KFACTiedInverseLayer
-from kfac.layers.tied import TiedHelper
+from kfac.state import StateDict
+from kfac.state import parse_fisher
 from kfac.validation import check_instance
 
 __all__ = ['FractionLike', 'KFACConfig', 'KFACPreconditioner']
 
 logger = logging.getLogger(__name__)
-
-
-def _compiled(model: nn.Module) -> bool:
-    """Whether `model` is the wrapper `torch.compile(module)` returns
-    (without importing the compiler: no such wrapper exists before it is
-    imported).
-    """
-    frames = sys.modules.get('torch._dynamo.eval_frame')
-    wrapper = getattr(frames, 'OptimizedModule', None)
-    return wrapper is not None and isinstance(model, wrapper)
-
-
-def _unwrap(model: nn.Module) -> nn.Module:
-    """The model inside its `DistributedDataParallel` and `torch.compile`
-    wrappers (in any order), so that layer names do not depend on them.
-    """
-    while True:
-        if isinstance(model, nn.parallel.DistributedDataParallel):
-            model = model.module
-        elif _compiled(model):
-            model = cast(nn.Module, model._orig_mod)
-        else:
-            return model
-
-
-_EIGENBASES = {
-    ComputeMethod.EIGEN: (KFACEigenLayer, KFACTiedEigenLayer),
-    ComputeMethod.EKFAC: (KFACEKFACLayer, KFACTiedEKFACLayer),
-}
-
-
-def _make_layer(helper: ModuleHelper, config: KFACConfig) -> KFACBaseLayer:
-    tied = isinstance(helper, TiedHelper)
-    if config.compute_method in _EIGENBASES:
-        kinds = _EIGENBASES[ComputeMethod(config.compute_method)]
-        return kinds[tied](
-            helper,
-            prediv_eigenvalues=config.compute_eigenvalue_outer_product,
-            basis_refresh=config.basis_refresh,
-            factor_dtype=config.factor_dtype,
-            inv_dtype=config.inv_dtype,
-            loss_average=config.loss_average,
-        )
-    return (KFACTiedInverseLayer if tied else KFACInverseLayer)(
-        helper,
-        factor_dtype=config.factor_dtype,
-        inv_dtype=config.inv_dtype,
-        loss_average=config.loss_average,
-    )
 
 
 class KFACPreconditioner(BaseKFACPreconditioner):
@@ -206,6 +146,15 @@ class KFACPreconditioner(BaseKFACPreconditioner):
             update compiles it, a few seconds). Off by default: on CPUs it
             is slower below factors of about 1000 rows (see the compile
             guide).
+        fisher_type: where `G`'s output gradients come from: `'empirical'`
+            (the default: the backward pass of the training loss) or
+            `'mc'` (the Monte Carlo Fisher of Martens & Grosse: a backward
+            pass of the loss at targets sampled from the model, run by
+            [`sample_fisher`][kfac.preconditioner.KFACPreconditioner.sample_fisher]
+            on factor-update steps; see
+            [`kfac.math.fisher`][kfac.math.fisher]).
+        mc_samples: `'mc'`: sampled backward passes per forward pass.
+        mc_seed: `'mc'`: the seed of the sampling (saved in `state_dict()`).
 
     Every hyperparameter (`factor_update_steps` to `lr`) may also be a
     callable `step -> value`.
@@ -246,6 +195,9 @@ class KFACPreconditioner(BaseKFACPreconditioner):
         kl_clip_rule: str = 'kl',
         basis_refresh: str = 'eigh',
         compile_arithmetic: bool = False,
+        fisher_type: str = 'empirical',
+        mc_samples: int = 1,
+        mc_seed: int = 0,
     ) -> None:
         check_instance('model', model, nn.Module, 'a torch.nn.Module')
         hyperparameters = Hyperparameters(
@@ -285,19 +237,22 @@ class KFACPreconditioner(BaseKFACPreconditioner):
             kl_clip_rule=kl_clip_rule,
             basis_refresh=basis_refresh,
             compile_arithmetic=compile_arithmetic,
+            fisher_type=fisher_type,
+            mc_samples=mc_samples,
+            mc_seed=mc_seed,
         )
-        check_model(_unwrap(model))
+        check_model(unwrap(model))
         self.config = config
         self.model = model
-        self.registration = self._register(model, config)
-        modules = dict(_unwrap(model).named_modules())
+        self.registration = config.register(unwrap(model))
+        modules = dict(unwrap(model).named_modules())
         self._frozen = {
             entry.name: modules[entry.name].weight
             for entry in self.registration.skipped
             if entry.reason.startswith('frozen')
         }
         layers = {
-            name: _make_layer(helper, config)
+            name: config.make_layer(helper)
             for name, helper in self.registration.helpers.items()
         }
         assignment = KAISAAssignment(
@@ -337,31 +292,68 @@ class KFACPreconditioner(BaseKFACPreconditioner):
                 for name, names in self.registration.aliases.items()
             },
         )
+        self.fisher = FisherSampler(
+            self._capture,
+            fisher_type=config.fisher_type,
+            samples=config.mc_samples,
+            seed=config.mc_seed,
+            steps=lambda: self._steps,
+            accumulation_steps=config.accumulation_steps,
+            loss_average=config.loss_average,
+        )
+        """The Monte Carlo Fisher's sampler."""
         self._report = describe_registration(self.registration, layers)
         logger.info('%s', format_report(self._report))
         logger.log(config.loglevel, 'K-FAC: %s; %s', config, assignment)
 
-    @staticmethod
-    def _register(model: nn.Module, config: KFACConfig) -> Registration:
-        convert_attention(_unwrap(model))
-        registration = register_model(
-            _unwrap(model),
-            skip_layers=config.skip_layers,
-            defaults=ModuleOptions(
-                batch_first=config.batch_first,
-                kfac_approx=config.kfac_approx,
-                max_factor_dim=config.max_factor_dim,
-            ),
-            module_options=config.module_options,
-        )
-        if not registration.helpers:
-            raise ValueError(
-                'model has no module K-FAC can precondition: it needs an '
-                'nn.Linear, a convolution, an nn.Embedding or an attention '
-                'module whose weight requires grad and that skip_layers '
-                'does not exclude (see describe() for the reasons)',
-            )
-        return registration
+    def sample_fisher(
+        self,
+        output: torch.Tensor,
+        loss: str = 'cross_entropy',
+        *,
+        mask: torch.Tensor | None = None,
+        indices: torch.Tensor | None = None,
+    ) -> None:
+        """With `fisher_type='mc'`, on a step that updates factors, run
+        `mc_samples` backward passes of `loss` at targets sampled from the
+        model's `output`, which feed `G` (no `.grad` is written); else
+        nothing. Call after each forward pass, before `loss.backward()`.
+
+        Args:
+            output: the model output: logits with classes last, `(N, C)` or
+                `(N, ..., C)`, for `'cross_entropy'`; any `(N, ...)` for
+                `'mse'` (a Gaussian of the variance the loss implies, see
+                [`kfac.math.fisher`][kfac.math.fisher]).
+            loss: `'cross_entropy'` or `'mse'`.
+            mask: `'cross_entropy'`: bool, `output.shape[:-1]`, the
+                positions the loss counts (`target != ignore_index`).
+            indices: the global index of each example, `(N,)` (default:
+                rank `r`'s `i`-th example of the `m`-th forward pass of the
+                step is `(m W + r) N + i`, `W` ranks).
+
+        Raises:
+            TypeError, ValueError: a bad argument; at the sampled pass,
+                with `mc_samples > 1`, a registered module whose output has
+                no batch dimension.
+            RuntimeError: (from `loss.backward()`) a factor-update step
+                whose forward pass was not sampled.
+        """
+        self.fisher.sample(output, loss, mask=mask, indices=indices)
+
+    def state_dict(self, include_decompositions: bool = True) -> StateDict:
+        """The preconditioner's state, the sampler's settings included."""
+        state = super().state_dict(include_decompositions)
+        state['fisher'] = self.fisher.state()
+        return state
+
+    def load_state_dict(
+        self, state_dict: Mapping[str, Any], strict: bool = True
+    ) -> None:
+        """Load `state_dict()` output (the seed of the sampling too)."""
+        fisher = parse_fisher(state_dict)
+        super().load_state_dict(state_dict, strict)
+        if fisher is not None:
+            self.fisher.seed = fisher['mc_seed']
 
     def describe(self) -> dict[str, list[dict[str, Any]]]:
         """The registration report (logged at `INFO` at construction).

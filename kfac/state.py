@@ -9,7 +9,7 @@ dicts, so `torch.load(path, weights_only=True)` reads it:
 
 ```python
 {
-    'version': 3,
+    'version': 4,
     'steps': int,
     'hyperparameters': {name: value},   # the non-callable ones
     'options': {'kl_clip_rule': 'kl' or 'relative'},
@@ -19,8 +19,15 @@ dicts, so `torch.load(path, weights_only=True)` reads it:
     'decompositions': {                 # optional
         module name: {'format': str, 'A': [tensor, ...], 'G': [...]},
     },
+    'fisher': {'fisher_type': str, 'mc_samples': int, 'mc_seed': int},
 }
 ```
+
+`'fisher'` (written by
+[`KFACPreconditioner`][kfac.preconditioner.KFACPreconditioner]) holds the
+Monte Carlo Fisher's settings: with the step count they key every sampled
+target (see [`kfac.math.fisher`][kfac.math.fisher]), so a resumed run
+samples what the uninterrupted run would have.
 
 Factors, and the running statistics kept beside them (EKFAC's scaling `S`,
 identical on every rank like the factors), are what a run cannot
@@ -44,11 +51,12 @@ from typing import TypedDict
 import torch
 
 from kfac.math import KL_CLIP_RULES
+from kfac.math.fisher import FISHER_TYPES
 
-STATE_VERSION = 3
+STATE_VERSION = 4
 """The format version written by this version of kfac."""
 
-READABLE_VERSIONS = (1, 2, 3)
+READABLE_VERSIONS = (1, 2, 3, 4)
 """The format versions this version of kfac loads. Version 2 adds the
 per-use factors of a weight tied in transposed roles (`'<module>:A'`,
 `'<module>:G'`, see [`kfac.layers.tied`][kfac.layers.tied]); version 3
@@ -57,7 +65,9 @@ layer's entries (see [`kfac.layers.ekfac`][kfac.layers.ekfac]). An older
 state is a newer one without what was added, loaded as it is: a state
 without `'options'` loads with `kl_clip_rule='kl'`, the only rule before
 version 3, and an EKFAC layer without `'S'` starts its scaling afresh at
-its next factor update."""
+its next factor update. Version 4 adds `'fisher'` (the Monte Carlo
+Fisher's seed); a state without it keeps the loading preconditioner's
+`mc_seed`."""
 
 FACTOR_KEYS = ('A', 'G')
 """The factor entries of a layer."""
@@ -71,6 +81,14 @@ class DecompositionEntry(TypedDict):
     format: str
     A: list[torch.Tensor]
     G: list[torch.Tensor]
+
+
+class FisherState(TypedDict):
+    """The Monte Carlo Fisher's settings."""
+
+    fisher_type: str
+    mc_samples: int
+    mc_seed: int
 
 
 class _RequiredEntries(TypedDict):
@@ -88,6 +106,8 @@ class StateDict(_RequiredEntries, total=False):
     options: dict[str, str]
 
     decompositions: dict[str, DecompositionEntry]
+
+    fisher: FisherState
 
 
 @dataclasses.dataclass(frozen=True)
@@ -343,3 +363,33 @@ def _options(options: object) -> dict[str, str]:
             f'{rule!r}; allowed: {", ".join(KL_CLIP_RULES)}',
         )
     return dict(options)
+
+
+def parse_fisher(state: object) -> FisherState | None:
+    """The `'fisher'` entry of `state`, checked; None if it has none (or
+    `state` is no mapping, which `parse_state` refuses).
+
+    Raises:
+        ValueError: the entry is malformed.
+    """
+    entry = state.get('fisher') if isinstance(state, Mapping) else None
+    if entry is None:
+        return None
+    if not (
+        isinstance(entry, Mapping)
+        and entry.get('fisher_type') in FISHER_TYPES
+        and all(
+            type(entry.get(key)) is int and entry[key] >= low
+            for key, low in (('mc_samples', 1), ('mc_seed', 0))
+        )
+    ):
+        raise ValueError(
+            "state_dict entry 'fisher' must be {'fisher_type': one of "
+            f"{FISHER_TYPES}, 'mc_samples': int >= 1, 'mc_seed': int >= 0}}; "
+            f'got {entry!r}',
+        )
+    return {
+        'fisher_type': entry['fisher_type'],
+        'mc_samples': entry['mc_samples'],
+        'mc_seed': entry['mc_seed'],
+    }

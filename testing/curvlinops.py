@@ -44,11 +44,13 @@ def curvlinops_factors(
     *,
     num_per_example_loss_terms: int,
     kfac_approx: str = 'expand',
+    fisher_type: str = 'empirical',
 ) -> Factors:
     """A and G of every Linear and Conv2d of `model`, from curvlinops.
 
-    The empirical Fisher (`fisher_type='empirical'`: the gradients of
-    `loss_func` at the labels `y`) on the one batch `(x, y)`, with the
+    By default the empirical Fisher (`fisher_type='empirical'`: the
+    gradients of `loss_func` at the labels `y`; `'type-2'` is the exact
+    Fisher, from the loss's Hessian) on the one batch `(x, y)`, with the
     bias as the last row and column of A (`separate_weight_and_bias=False`,
     as ours). The model is copied: curvlinops' hooks never see ours.
 
@@ -57,6 +59,7 @@ def curvlinops_factors(
             cross-entropy on sequences, `(N, C, T)`).
         loss_func: the loss; its `reduction` is curvlinops' only notion of
             how the loss is normalised.
+        fisher_type: curvlinops' `fisher_type`.
         x: the inputs, `(N, ...)`.
         y: the labels.
         num_per_example_loss_terms: curvlinops' `P`: with
@@ -78,7 +81,7 @@ def curvlinops_factors(
         params,
         [(x, y)],
         check_deterministic=False,
-        fisher_type='empirical',
+        fisher_type=fisher_type,
         kfac_approx=kfac_approx,
         num_per_example_loss_terms=num_per_example_loss_terms,
         separate_weight_and_bias=False,

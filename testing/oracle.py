@@ -112,6 +112,23 @@ def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
 
 
+def sampled_loss(
+    precon: Callable[[], KFACPreconditioner],
+    loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = (
+        F.cross_entropy
+    ),
+) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+    """`loss` that first lets the current preconditioner `precon()` sample
+    the Monte Carlo Fisher of the output (nothing with the empirical one).
+    """
+
+    def sampled(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        precon().sample_fisher(output)
+        return loss(output, target)
+
+    return sampled
+
+
 def train_steps(
     model: nn.Module,
     precon: KFACPreconditioner | None,

@@ -290,3 +290,47 @@ def ekfac_scale_reference(
         rotated = qg.T @ v @ qa
         total += rotated * rotated
     return total / terms
+
+
+# The Monte Carlo Fisher's sampling rule (kfac.math.fisher), in plain Python.
+
+MASK64 = (1 << 64) - 1
+
+
+def py_splitmix64(z: int) -> int:
+    """splitmix64 on Python integers (unsigned)."""
+    z = (z + 0x9E3779B97F4A7C15) & MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & MASK64
+    return z ^ (z >> 31)
+
+
+def py_uniform(seed: int, step: int, index: int, counter: int) -> float:
+    """The uniform of draw `counter` of example `index`: the top 53 bits
+    of the hash chain seed, step, index, counter, over 2**53.
+    """
+    key = py_splitmix64((py_splitmix64(seed) + step) & MASK64)
+    key = py_splitmix64((key + index) & MASK64)
+    return (py_splitmix64((key + counter) & MASK64) >> 11) / 2.0**53
+
+
+def py_class(row: list[float], u: float) -> int:
+    """The first class whose cumulative probability exceeds `u` (the last
+    if none does).
+    """
+    total = 0.0
+    for c, p in enumerate(row):
+        total += p
+        if total > u:
+            return c
+    return len(row) - 1
+
+
+def py_classes(
+    probs: torch.Tensor, seed: int, step: int, indices: list[int], sample: int
+) -> list[int]:
+    """One class per row of `probs` `(N, C)` (one position per example)."""
+    return [
+        py_class(row, py_uniform(seed, step, index, sample))
+        for row, index in zip(probs.tolist(), indices)
+    ]

@@ -217,7 +217,7 @@ def test_non_strict_load_skips_missing_and_unexpected_layers() -> None:
     [
         (lambda s: s.update(version=99), ValueError, 'format version 99'),
         (lambda s: s.pop('version'), ValueError, 'format version None'),
-        (lambda s: s.update(version=True), ValueError, 'versions 1, 2, 3'),
+        (lambda s: s.update(version=True), ValueError, 'versions 1, 2, 3, 4'),
         (lambda s: s.pop('steps'), ValueError, "missing the entry 'steps'"),
         (lambda s: s.pop('layers'), ValueError, "missing the entry 'layers'"),
     ],
@@ -388,7 +388,7 @@ def test_parse_drops_decompositions_that_do_not_fit(
 def test_the_clip_rule_is_saved_and_restored() -> None:
     _, relative = trained(kl_clip_rule='relative', kl_clip=1.0)
     state = roundtrip(relative.state_dict())
-    assert state['version'] == STATE_VERSION == 3
+    assert state['version'] == STATE_VERSION == 4
     assert state['options'] == {'kl_clip_rule': 'relative'}
     _, other = trained()
     assert other.options.kl_clip_rule == 'kl'

@@ -37,7 +37,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import itertools
-import logging
 import weakref
 from collections.abc import Callable
 from collections.abc import Mapping
@@ -49,10 +48,13 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from kfac._engine.hooks import Hook
+from kfac._engine.hooks import Sink
 from kfac._engine.hooks import Tally
 from kfac._engine.hooks import by_module
+from kfac._engine.hooks import claim
 from kfac._engine.hooks import guard_module_hooks
 from kfac._engine.hooks import uncompiled
+from kfac._engine.hooks import warn_about_owners
 from kfac._engine.loss_scale import GradScalerLike
 from kfac._engine.loss_scale import LossScale
 from kfac._engine.loss_scale import fp16_autocast
@@ -63,19 +65,12 @@ from kfac._engine.taps import unregister_receiver
 from kfac.layers.base import KFACBaseLayer
 from kfac.layers.factor import Captured
 
-logger = logging.getLogger(__name__)
-
-
 Phase = Callable[[str], contextlib.AbstractContextManager[None]]
 """Makes the context manager that times a phase of the step."""
 
 LogOnce = Callable[..., None]
 """`log_once(key, name, message, *args)`: log a warning once per key and
 name."""
-
-_OWNERS: weakref.WeakKeyDictionary[nn.Module, weakref.ref[Capture]] = (
-    weakref.WeakKeyDictionary()
-)
 
 
 class Capture:
@@ -119,7 +114,8 @@ class Capture:
         """Whether this step updates factors (kept by `refresh`): read by
         the hooks, so that a compiled graph of a step that does not update
         factors has no operator of K-FAC (a second graph)."""
-        self._scale = LossScale(grad_scaler, log_once)
+        self.scale = LossScale(grad_scaler, log_once)
+        """The loss scale divided out of output gradients."""
         self.accumulation_steps = accumulation_steps
         self.in_hook = in_hook
         self._on_complete = on_complete
@@ -132,7 +128,7 @@ class Capture:
             name: [layer.module.module, *(aliases or {}).get(name, ())]
             for name, layer in layers.items()
         }
-        self._warn_about_owners()
+        warn_about_owners(self._modules)
         self._weights = {
             name: layer.module.weight for name, layer in layers.items()
         }
@@ -146,6 +142,8 @@ class Capture:
         self._slot_weights: list[torch.Tensor] = []
         self._seen = False
         """Whether a hooked call ran since the last `take_fresh`."""
+        self.sink: Sink | None = None
+        """Sees each output gradient first (the Monte Carlo Fisher's)."""
         self._handles: list[RemovableHandle] = []
         for module, names in by_module(self._modules).items():
             key = torch.tensor([self._receiver, len(self._slots)])
@@ -157,27 +155,13 @@ class Capture:
             self._slots.append(names)
             self._hooked.append(module)
             self._slot_weights.append(self._weights[names[0]])
-            _OWNERS[module] = weakref.ref(self)
+            claim(module, self)
         for weight in self._weights.values():
             self._handles.append(
                 weight.register_post_accumulate_grad_hook(
                     Hook(self._accumulated)
                 )
             )
-
-    def _warn_about_owners(self) -> None:
-        for name, modules in self._modules.items():
-            ref = _OWNERS.get(modules[0])
-            owner = None if ref is None else ref()
-            if owner is not None and owner.attached:
-                logger.warning(
-                    'K-FAC: module %s already has the hooks of another '
-                    'K-FAC preconditioner, which keep running and slow '
-                    'every step; call remove() on the old preconditioner '
-                    '(e.g. before re-running a notebook cell)',
-                    name,
-                )
-                return
 
     @property
     def attached(self) -> bool:
@@ -264,9 +248,16 @@ class Capture:
         """Add the call of `ticket` with its output gradient `grad`
         (nothing after `remove`).
         """
-        call = self._calls.pop(int(ticket[1]), None)
-        if call is None:  # forgotten by remove()
+        number = int(ticket[1])
+        if number not in self._calls:  # forgotten, or taken by a sample
             return
+        if self.sink is not None:
+            name = self._calls[number][0][0]
+            got = self.sink(number, grad, self._layers[name].module)
+            if got is None:
+                return
+            grad = got
+        call = self._calls.pop(number)
         scale = self.loss_scale()
         for name, captured in call:
             with self._phase('factor_capture'):
@@ -352,6 +343,10 @@ class Capture:
         weights = [layer.module.weight for layer in self._layers.values()]
         return fresh or not any(w.requires_grad for w in weights)
 
+    def weights(self) -> list[torch.Tensor]:
+        """The registered weights, each once."""
+        return list({id(w): w for w in self._weights.values()}.values())
+
     def follow_modules(self) -> None:
         """Let every layer follow its module to a new device or dtype."""
         for layer in self._layers.values():
@@ -360,15 +355,15 @@ class Capture:
     @property
     def grad_scaler(self) -> GradScalerLike | None:
         """The loss scaler whose scale is divided out of output gradients."""
-        return self._scale.grad_scaler
+        return self.scale.grad_scaler
 
     def loss_scale(self) -> float:
         """The loss scale of this step (see `LossScale.value`)."""
-        return self._scale.value()
+        return self.scale.value()
 
     def next_step(self) -> None:
         """Forget this step's loss scale; `refresh`."""
-        self._scale.next_step()
+        self.scale.next_step()
         self.refresh()
 
     def refresh(self) -> None:
@@ -383,7 +378,7 @@ class Capture:
         skipped leaves a scale that is no longer current).
         """
         self._queued = False
-        self._scale.next_step()
+        self.scale.next_step()
         for name in self._tallies:
             self._tallies[name] = Tally()
 

@@ -7,24 +7,70 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import logging
 import sys
+import weakref
 from collections.abc import Callable
 from collections.abc import Mapping
 from collections.abc import Sequence
 from typing import Any
+from typing import Protocol
 
 import torch
 from torch import nn
 
+from kfac.layers.helper import ModuleHelper
+
 __all__ = [
     'Hook',
+    'Sink',
     'Tally',
     'by_module',
+    'claim',
     'disabled',
     'guard_module_hooks',
     'inert',
     'uncompiled',
+    'warn_about_owners',
 ]
+
+logger = logging.getLogger(__name__)
+
+Sink = Callable[[int, torch.Tensor, ModuleHelper], torch.Tensor | None]
+"""`sink(call, grad, helper)`: sees the output gradient of a captured call
+first; returns the gradient to add (None: add nothing now, keep the
+call)."""
+
+
+class _Owner(Protocol):
+    @property
+    def attached(self) -> bool: ...
+
+
+_OWNERS: weakref.WeakKeyDictionary[nn.Module, weakref.ref[_Owner]] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def claim(module: nn.Module, owner: _Owner) -> None:
+    """Record that `owner` hooks `module` (weakly)."""
+    _OWNERS[module] = weakref.ref(owner)
+
+
+def warn_about_owners(modules: Mapping[str, Sequence[nn.Module]]) -> None:
+    """Warn if a layer's module is hooked by another attached owner."""
+    for name, owned in modules.items():
+        ref = _OWNERS.get(owned[0])
+        owner = None if ref is None else ref()
+        if owner is not None and owner.attached:
+            logger.warning(
+                'K-FAC: module %s already has the hooks of another '
+                'K-FAC preconditioner, which keep running and slow '
+                'every step; call remove() on the old preconditioner '
+                '(e.g. before re-running a notebook cell)',
+                name,
+            )
+            return
 
 
 @dataclasses.dataclass

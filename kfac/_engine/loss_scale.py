@@ -7,7 +7,9 @@ says when the scaler is disabled or has not scaled the loss.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
+from collections.abc import Iterator
 from typing import Protocol
 
 import torch
@@ -86,6 +88,7 @@ class LossScale:
         self.grad_scaler = grad_scaler
         self._log_once = log_once
         self._value: float | None = None
+        self._pinned: float | None = None
         is_enabled = getattr(grad_scaler, 'is_enabled', None)
         if callable(is_enabled) and not is_enabled():
             log_once(
@@ -101,6 +104,8 @@ class LossScale:
         scaler, or with one that has not scaled the loss).
         """
         scaler = self.grad_scaler
+        if self._pinned is not None:
+            return self._pinned
         if scaler is None:
             return 1.0
         if self._value is None:
@@ -120,3 +125,24 @@ class LossScale:
     def next_step(self) -> None:
         """Forget this step's loss scale."""
         self._value = None
+
+    def for_sampling(self) -> float:
+        """The scale to multiply a sampled loss by: this step's (read once),
+        or before the scaler has scaled a loss its initial scale (read
+        without a host synchronisation), 1 without a scaler.
+        """
+        scaler = self.grad_scaler
+        if scaler is not None and _scaler_unused(scaler):
+            return read_loss_scale(scaler)
+        return self.value()
+
+    @contextlib.contextmanager
+    def pinned(self, scale: float) -> Iterator[None]:
+        """Make `value()` return `scale` while the context runs (a backward
+        pass of a loss multiplied by it).
+        """
+        self._pinned = scale
+        try:
+            yield
+        finally:
+            self._pinned = None

@@ -43,7 +43,9 @@ def batch(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(12, 8).to(device), torch.randint(0, 4, (12,)).to(device)
 
 
-def preconditioner(model: nn.Module, method: str) -> KFACPreconditioner:
+def preconditioner(
+    model: nn.Module, method: str, fisher_type: str = 'empirical'
+) -> KFACPreconditioner:
     """Factors every 2 steps, decompositions every 4: steps 0-3 are
     factors and decompositions, nothing, factors, nothing.
     """
@@ -52,6 +54,7 @@ def preconditioner(model: nn.Module, method: str) -> KFACPreconditioner:
         compute_method=method,
         factor_update_steps=2,
         inv_update_steps=4,
+        fisher_type=fisher_type,
     )
 
 
@@ -80,18 +83,21 @@ def reads_per_step(
     method: str,
     monkeypatch: pytest.MonkeyPatch,
     device: torch.device,
+    fisher_type: str = 'empirical',
 ) -> list[int]:
     """Host reads in steps 0-3: factors and decompositions, none, factors,
-    none.
+    none (with the Monte Carlo Fisher, sampled before each backward pass).
     """
     model = deep_mlp(layers, device)
-    precon = preconditioner(model, method)
+    precon = preconditioner(model, method, fisher_type)
     x, y = batch(device)
     out = []
     with monkeypatch.context() as patch:
         counts = count_reads(patch)
         for _ in range(4):
-            loss = F.cross_entropy(model(x), y)
+            output = model(x)
+            precon.sample_fisher(output)
+            loss = F.cross_entropy(output, y)
             model.zero_grad()
             loss.backward()
             before = counts.total()
@@ -100,14 +106,16 @@ def reads_per_step(
     return out
 
 
+@pytest.mark.parametrize('fisher_type', ['empirical', 'mc'])
 @pytest.mark.parametrize('method', ['eigen', 'inverse', 'ekfac'])
 def test_host_reads_do_not_grow_with_the_number_of_layers(
     method: str,
+    fisher_type: str,
     monkeypatch: pytest.MonkeyPatch,
     device: torch.device,
 ) -> None:
-    few = reads_per_step(3, method, monkeypatch, device)
-    many = reads_per_step(9, method, monkeypatch, device)
+    few = reads_per_step(3, method, monkeypatch, device, fisher_type)
+    many = reads_per_step(9, method, monkeypatch, device, fisher_type)
     assert few == many
     # Every step: one read of the KL clip's finiteness flags. Factor steps:
     # one more for the health of the statistics. Decomposition steps: one
@@ -148,21 +156,25 @@ def needs_cuda(device: torch.device) -> None:
 
 
 def syncs_per_step(
-    layers: int, method: str, device: torch.device
+    layers: int, method: str, device: torch.device, fisher_type: str
 ) -> list[int]:
-    """Synchronisations of backward and step in steps 0-3 (the backward
-    counts too: with ``update_factors_in_hook`` the factors are formed in
-    the gradient hooks).
+    """Synchronisations of sampling, backward and step in steps 0-3 (the
+    backward counts too: with ``update_factors_in_hook`` the factors are
+    formed in the gradient hooks).
     """
     model = deep_mlp(layers, device)
-    precon = preconditioner(model, method)
+    precon = preconditioner(model, method, fisher_type)
     x, y = batch(device)
     out = []
     for _ in range(4):
-        loss = F.cross_entropy(model(x), y)
+        output = model(x)
+        loss = F.cross_entropy(output, y)
         model.zero_grad()
 
-        def backward_and_step(loss: torch.Tensor = loss) -> None:
+        def backward_and_step(
+            loss: torch.Tensor = loss, output: torch.Tensor = output
+        ) -> None:
+            precon.sample_fisher(output)
             loss.backward()
             precon.step()
 
@@ -170,14 +182,15 @@ def syncs_per_step(
     return out
 
 
+@pytest.mark.parametrize('fisher_type', ['empirical', 'mc'])
 @pytest.mark.parametrize('method', ['eigen', 'inverse', 'ekfac'])
 def test_device_syncs_do_not_grow_with_the_number_of_layers(
-    method: str, device: torch.device
+    method: str, fisher_type: str, device: torch.device
 ) -> None:
     needs_cuda(device)
-    syncs_per_step(3, method, device)  # warm-up: lazy CUDA initialisation
-    few = syncs_per_step(3, method, device)
-    many = syncs_per_step(9, method, device)
+    syncs_per_step(3, method, device, fisher_type)  # warm-up: lazy CUDA
+    few = syncs_per_step(3, method, device, fisher_type)
+    many = syncs_per_step(9, method, device, fisher_type)
     if method in ('eigen', 'ekfac'):
         # torch.linalg.eigh synchronises with the host on CUDA to check
         # for errors (its documentation says so), once per factor: two per
