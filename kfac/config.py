@@ -29,6 +29,7 @@ from kfac.layers.options import check_module_options
 from kfac.layers.register import compile_patterns
 from kfac.layers.statistics import check_loss_average
 from kfac.math import KL_CLIP_RULES
+from kfac.math.lowrank import DAMPING_MODES
 from kfac.placement import parse_grad_worker_fraction
 from kfac.validation import check_bool
 from kfac.validation import check_choice
@@ -70,8 +71,8 @@ class KFACConfig:
         TypeError: a field has the wrong type.
         ValueError: a field has a disallowed value, EIGEN's
             `compute_eigenvalue_outer_product` is asked for without
-            `colocate_factors`, or `basis_refresh='qr'` with INVERSE (which
-            has no eigenbasis).
+            `colocate_factors`, `basis_refresh='qr'` with INVERSE (which
+            has no eigenbasis), or `damping_mode='relative'` with EKFAC.
 
     Examples:
         >>> KFACConfig(compute_method='Inverse').compute_method
@@ -101,6 +102,8 @@ class KFACConfig:
     kl_clip_rule: str = 'kl'
     basis_refresh: str = 'eigh'
     compile_arithmetic: bool = False
+    factor_rank: int | None = None
+    damping_mode: str = 'absolute'
 
     def __post_init__(self) -> None:
         checked = {
@@ -147,6 +150,12 @@ class KFACConfig:
             'basis_refresh': check_choice(
                 'basis_refresh', self.basis_refresh, BASIS_REFRESHES
             ),
+            'factor_rank': None
+            if self.factor_rank is None
+            else validate_int('factor_rank', self.factor_rank),
+            'damping_mode': check_choice(
+                'damping_mode', self.damping_mode, DAMPING_MODES
+            ),
             'module_options': {
                 pattern: dict(options)
                 for pattern, options in check_module_options(
@@ -173,6 +182,15 @@ class KFACConfig:
             raise ValueError(
                 'compute_eigenvalue_outer_product=True needs '
                 'colocate_factors=True (both eigendecompositions on one rank)',
+            )
+        if (
+            self.compute_method is ComputeMethod.EKFAC
+            and self.damping_mode != 'absolute'
+        ):
+            raise ValueError(
+                f'damping_mode={self.damping_mode!r} needs '
+                "compute_method='eigen' or 'inverse'; EKFAC adds λ to its "
+                "scaling as given (leave damping_mode='absolute')",
             )
         if (
             self.compute_method is ComputeMethod.INVERSE

@@ -35,19 +35,11 @@ from kfac.hyperparams import OptimizerLike
 from kfac.hyperparams import OptimizerLR
 from kfac.hyperparams import check_optimizers
 from kfac.layers.attention import convert_attention
-from kfac.layers.base import KFACBaseLayer
-from kfac.layers.eigen import KFACEigenLayer
-from kfac.layers.ekfac import KFACEKFACLayer
-from kfac.layers.helper import ModuleHelper
-from kfac.layers.inverse import KFACInverseLayer
+from kfac.layers.factory import make_layer
 from kfac.layers.options import DEFAULT_MAX_FACTOR_DIM
 from kfac.layers.options import ModuleOptions
 from kfac.layers.register import Registration
 from kfac.layers.register import register_model
-from kfac.layers.tied import KFACTiedEigenLayer
-from kfac.layers.tied import KFACTiedEKFACLayer
-from kfac.layers.tied import KFACTiedInverseLayer
-from kfac.layers.tied import TiedHelper
 from kfac.validation import check_instance
 
 __all__ = ['FractionLike', 'KFACConfig', 'KFACPreconditioner']
@@ -78,32 +70,6 @@ def _unwrap(model: nn.Module) -> nn.Module:
             return model
 
 
-_EIGENBASES = {
-    ComputeMethod.EIGEN: (KFACEigenLayer, KFACTiedEigenLayer),
-    ComputeMethod.EKFAC: (KFACEKFACLayer, KFACTiedEKFACLayer),
-}
-
-
-def _make_layer(helper: ModuleHelper, config: KFACConfig) -> KFACBaseLayer:
-    tied = isinstance(helper, TiedHelper)
-    if config.compute_method in _EIGENBASES:
-        kinds = _EIGENBASES[ComputeMethod(config.compute_method)]
-        return kinds[tied](
-            helper,
-            prediv_eigenvalues=config.compute_eigenvalue_outer_product,
-            basis_refresh=config.basis_refresh,
-            factor_dtype=config.factor_dtype,
-            inv_dtype=config.inv_dtype,
-            loss_average=config.loss_average,
-        )
-    return (KFACTiedInverseLayer if tied else KFACInverseLayer)(
-        helper,
-        factor_dtype=config.factor_dtype,
-        inv_dtype=config.inv_dtype,
-        loss_average=config.loss_average,
-    )
-
-
 class KFACPreconditioner(BaseKFACPreconditioner):
     """K-FAC preconditioning of a model's layers (KAISA).
 
@@ -123,7 +89,7 @@ class KFACPreconditioner(BaseKFACPreconditioner):
         inv_update_steps: steps between decompositions.
         damping: `λ` (EIGEN: added to the Kronecker product exactly;
             EKFAC: added to the scaling `S`; INVERSE: split between the
-            factors with the π correction).
+            factors with the π correction); see `damping_mode`.
         factor_decay: `ξ` in (0, 1] of the factors' running average.
         kl_clip: `κ` of the clip (its meaning per `kl_clip_rule`), or
             None to disable it.
@@ -173,8 +139,13 @@ class KFACPreconditioner(BaseKFACPreconditioner):
             layer with a longer one is preconditioned in tiles with
             block-diagonal factors of at most this side (see
             [`kfac.layers.blocks`][kfac.layers.blocks]); None: no limit.
+        factor_rank: keep a dense factor longer than this as its top
+            `factor_rank` eigenpairs plus one value for the rest of its
+            spectrum (EIGEN and INVERSE; see
+            [`kfac.math.lowrank`][kfac.math.lowrank]); None: whole.
         module_options: per-module overrides of the options above that are
-            per module (`batch_first`, `kfac_approx`, `max_factor_dim`):
+            per module (`batch_first`, `kfac_approx`, `max_factor_dim`,
+            `factor_rank`):
             `{pattern: {option: value}}`, a pattern selecting modules by
             dotted name or class name.
         shard_mode: how gradients of a model sharded with FSDP2
@@ -206,6 +177,9 @@ class KFACPreconditioner(BaseKFACPreconditioner):
             update compiles it, a few seconds). Off by default: on CPUs it
             is slower below factors of about 1000 rows (see the compile
             guide).
+        damping_mode: `'absolute'` (`λ` as given) or `'relative'` (`λ`
+            times each layer's mean eigenvalue of `A ⊗ G`, so one value
+            suits layers and models of any scale; EIGEN and INVERSE).
 
     Every hyperparameter (`factor_update_steps` to `lr`) may also be a
     callable `step -> value`.
@@ -246,6 +220,8 @@ class KFACPreconditioner(BaseKFACPreconditioner):
         kl_clip_rule: str = 'kl',
         basis_refresh: str = 'eigh',
         compile_arithmetic: bool = False,
+        factor_rank: int | None = None,
+        damping_mode: str = 'absolute',
     ) -> None:
         check_instance('model', model, nn.Module, 'a torch.nn.Module')
         hyperparameters = Hyperparameters(
@@ -285,6 +261,8 @@ class KFACPreconditioner(BaseKFACPreconditioner):
             kl_clip_rule=kl_clip_rule,
             basis_refresh=basis_refresh,
             compile_arithmetic=compile_arithmetic,
+            factor_rank=factor_rank,
+            damping_mode=damping_mode,
         )
         check_model(_unwrap(model))
         self.config = config
@@ -297,7 +275,18 @@ class KFACPreconditioner(BaseKFACPreconditioner):
             if entry.reason.startswith('frozen')
         }
         layers = {
-            name: _make_layer(helper, config)
+            name: make_layer(
+                name,
+                helper,
+                self.registration.options[name],
+                method=ComputeMethod(config.compute_method),
+                prediv_eigenvalues=config.compute_eigenvalue_outer_product,
+                basis_refresh=config.basis_refresh,
+                factor_dtype=config.factor_dtype,
+                inv_dtype=config.inv_dtype,
+                loss_average=config.loss_average,
+                damping_mode=config.damping_mode,
+            )
             for name, helper in self.registration.helpers.items()
         }
         assignment = KAISAAssignment(
@@ -351,6 +340,7 @@ class KFACPreconditioner(BaseKFACPreconditioner):
                 batch_first=config.batch_first,
                 kfac_approx=config.kfac_approx,
                 max_factor_dim=config.max_factor_dim,
+                factor_rank=config.factor_rank,
             ),
             module_options=config.module_options,
         )
