@@ -304,7 +304,8 @@ def lowrank_plus_constant(f: torch.Tensor, rank: int) -> torch.Tensor:
     qk, dk = q[:, n - rank :], d[n - rank :]
     c = max(float((f.trace() - dk.sum()) / (n - rank)), 0.0)
     eye = torch.eye(n, dtype=f.dtype)
-    return qk @ torch.diag(dk) @ qk.T + c * (eye - qk @ qk.T)
+    dense: torch.Tensor = qk @ torch.diag(dk) @ qk.T + c * (eye - qk @ qk.T)
+    return dense
 
 
 def mean_eigenvalue(f: torch.Tensor) -> float:

@@ -56,6 +56,10 @@ KWARGS = [
         'basis_refresh': 'qr',
     },
     {'compute_method': 'eigen', 'basis_refresh': 'qr'},
+    # the low-rank form (warm-started from a loaded (n, k) basis) and
+    # relative damping
+    {'factor_rank': 8, 'basis_refresh': 'qr', 'damping_mode': 'relative'},
+    {'compute_method': 'inverse', 'factor_rank': 8},
 ]
 
 

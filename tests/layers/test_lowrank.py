@@ -69,7 +69,7 @@ def test_low_rank_equals_the_dense_solve(rank: int, method: str) -> None:
 
 def test_qr_refresh_iterates_the_kept_vectors() -> None:
     """The second decomposition starts from the `(n, k)` basis held."""
-    layer, x, gout = layer_with_data(
+    layer, _, _ = layer_with_data(
         KFACLowRankEigenLayer, rank=2, basis_refresh='qr'
     )
     precondition(layer)
