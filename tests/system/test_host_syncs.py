@@ -45,7 +45,7 @@ def batch(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
 
 #: Each method, and the cost options (the low-rank form keeps the 16- and
 #: 17-wide factors at rank 8; relative damping).
-VARIANTS = {
+VARIANTS: dict[str, dict[str, Any]] = {
     'eigen': {},
     'inverse': {},
     'ekfac': {},
