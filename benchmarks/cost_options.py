@@ -1,7 +1,7 @@
 """What the cost options buy: `factor_rank`, a smaller `max_factor_dim`,
 and `damping_mode='relative'`, on real data.
 
-Three measurements, each written as JSON (one thread, `torch.set_num_threads(1)`):
+Three measurements, each written as JSON (one thread):
 
 * ``steptime``: the CNN of the cost issue on Fashion-MNIST
   (`Conv2d(1,16,5,p=2)`-ReLU-MaxPool2-`Conv2d(16,32,5,p=2)`-ReLU-MaxPool2-
@@ -19,7 +19,7 @@ Three measurements, each written as JSON (one thread, `torch.set_num_threads(1)`
   steps on the bundled corpus, validation loss); no clip, so that the
   damping alone sets the step.
 
-    python -m benchmarks.cost_options steptime --out benchmarks/results/cost_steptime.json
+    python -m benchmarks.cost_options steptime --out cost_steptime.json
 
 Not run by the test suite (minutes of CPU).
 """
