@@ -50,6 +50,8 @@ FORMS: dict[str, dict[str, Any] | None] = {
     'factor_rank=64': {'factor_rank': 64},
     'factor_rank=128': {'factor_rank': 128},
     'factor_rank=256': {'factor_rank': 256},
+    'factor_rank=128 qr': {'factor_rank': 128, 'basis_refresh': 'qr'},
+    'kfac qr': {'basis_refresh': 'qr'},
     'max_factor_dim=512': {'max_factor_dim': 512},
     'max_factor_dim=256': {'max_factor_dim': 256},
 }
@@ -131,9 +133,12 @@ def _batches(
     return out
 
 
-def steptime(images: data.ImageData, steps: int) -> dict[str, Any]:
+def steptime(
+    images: data.ImageData, steps: int, names: list[str]
+) -> dict[str, Any]:
     """Seconds per step of each form, interleaved step by step."""
-    trainers = {name: _Trainer(form, 0.02) for name, form in FORMS.items()}
+    names = ['sgd', *[n for n in names if n != 'sgd']]
+    trainers = {name: _Trainer(FORMS[name], 0.02) for name in names}
     batches = _batches(images, steps)
     seconds: dict[str, list[float]] = {name: [] for name in trainers}
     for i, (x, y) in enumerate(batches):
@@ -250,7 +255,7 @@ def main(argv: list[str] | None = None) -> None:
     torch.set_num_threads(1)
     images = data.load_image_data(fallback=False)
     runs: dict[str, Callable[[], dict[str, Any]]] = {
-        'steptime': lambda: steptime(images, args.steps),
+        'steptime': lambda: steptime(images, args.steps, args.forms),
         'accuracy': lambda: accuracy(images, args.lrs, args.forms),
         'damping': lambda: damping(
             images,
