@@ -14,10 +14,11 @@ Three measurements, each written as JSON (one thread):
   on the same batches with each form and each learning rate; test
   accuracy after the epoch.
 * ``damping``: `damping` swept under `damping_mode='absolute'` and
-  `'relative'` on the CNN (SGD, 150 steps, test accuracy) and on a small
-  GPT (`examples/gpt.py`, width 64, depth 2, context 64, AdamW, 150
-  steps on the bundled corpus, validation loss); no clip, so that the
-  damping alone sets the step.
+  `'relative'` on the CNN (SGD lr 0.04 with the library's default KL
+  clip, test accuracy) and on a small GPT (`examples/gpt.py`, width 64,
+  depth 2, context 64, batch 16, AdamW lr 3e-3 without a clip, as the
+  hyperparameter guide suggests with Adam; validation loss on the bundled
+  corpus), `--steps` steps each, updates every 5/20 steps.
 
     python -m benchmarks.cost_options steptime --out cost_steptime.json
 
@@ -30,6 +31,7 @@ import argparse
 import json
 import pathlib
 import statistics
+import sys
 import time
 from collections.abc import Callable
 from typing import Any
@@ -186,7 +188,7 @@ def accuracy(
 def _cnn_run(
     images: data.ImageData, batches: list[Any], kfac: dict[str, Any]
 ) -> float:
-    trainer = _Trainer({}, 0.04, {'kl_clip': None, **kfac})
+    trainer = _Trainer({}, 0.04, kfac)
     for x, y in batches:
         if not torch.isfinite(torch.tensor(trainer.step(x, y))):
             return 0.0
@@ -251,6 +253,12 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument('--steps', type=int, default=60)
     p.add_argument('--lrs', type=float, nargs='+', default=[0.02, 0.04])
     p.add_argument('--forms', nargs='+', default=list(FORMS))
+    p.add_argument(
+        '--absolute', type=float, nargs='+', default=[1e-4, 1e-3, 1e-2, 0.1, 1]
+    )
+    p.add_argument(
+        '--relative', type=float, nargs='+', default=[0.1, 1, 10, 100, 1000]
+    )
     args = p.parse_args(argv)
     torch.set_num_threads(1)
     images = data.load_image_data(fallback=False)
@@ -260,15 +268,15 @@ def main(argv: list[str] | None = None) -> None:
         'damping': lambda: damping(
             images,
             args.steps,
-            [1e-4, 1e-3, 1e-2, 1e-1, 1.0],
-            [1e-3, 1e-2, 1e-1, 1.0],
+            args.absolute,
+            args.relative,
         ),
     }
     began = time.perf_counter()
     result = {
         'what': args.what,
-        'command': f'python -m benchmarks.cost_options {args.what} '
-        f'--steps {args.steps}',
+        'command': 'python -m benchmarks.cost_options '
+        + ' '.join(argv if argv is not None else sys.argv[1:]),
         'threads': 1,
         'torch': torch.__version__,
         'results': runs[args.what](),
