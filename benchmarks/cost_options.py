@@ -11,11 +11,12 @@ Three measurements, each written as JSON (one thread):
   (1569 wide), the configurations interleaved step by step in one run;
   median (a step without updates) and mean (updates included).
 * ``accuracy``: the same CNN trained for one epoch from the same weights
-  on the same batches with each form and each learning rate; test
-  accuracy after the epoch.
+  on the same batches with each form and each learning rate (K-FAC:
+  updates every 10/100 steps, the `'relative'` clip at 1); test accuracy
+  after the epoch.
 * ``damping``: `damping` swept under `damping_mode='absolute'` and
-  `'relative'` on the CNN (SGD lr 0.04 with the library's default KL
-  clip, test accuracy) and on a small GPT (`examples/gpt.py`, width 64,
+  `'relative'` on the CNN (SGD lr 0.04, the `'relative'` clip at 1, test
+  accuracy) and on a small GPT (`examples/gpt.py`, width 64,
   depth 2, context 64, batch 16, AdamW lr 3e-3 without a clip, as the
   hyperparameter guide suggests with Adam; validation loss on the bundled
   corpus), `--steps` steps each, updates every 5/20 steps.
@@ -58,6 +59,15 @@ FORMS: dict[str, dict[str, Any] | None] = {
     'max_factor_dim=256': {'max_factor_dim': 256},
 }
 """SGD, then SGD + K-FAC with each form of the wide factor."""
+
+CLIP = {'kl_clip_rule': 'relative', 'kl_clip': 1.0}
+"""The clip of the accuracy and damping runs: the preconditioned gradient
+at most as long as the raw one (with the original `'kl'` rule at its
+default the clip scales every step of this CNN by about 0.05-0.15 and the
+learning rate hardly matters; see `results/clip_rules.json`)."""
+
+ACCURACY_KFAC = {'factor_update_steps': 10, 'inv_update_steps': 100, **CLIP}
+"""K-FAC options of the one-epoch runs (as in `clip_rules.py`)."""
 
 
 def cnn() -> nn.Module:
@@ -172,7 +182,7 @@ def accuracy(
     out: dict[str, Any] = {}
     for name in names:
         for lr in lrs:
-            trainer = _Trainer(FORMS[name], lr)
+            trainer = _Trainer(FORMS[name], lr, ACCURACY_KFAC)
             began = time.perf_counter()
             losses = [trainer.step(x, y) for x, y in batches]
             out[f'{name} lr={lr}'] = {
@@ -188,7 +198,7 @@ def accuracy(
 def _cnn_run(
     images: data.ImageData, batches: list[Any], kfac: dict[str, Any]
 ) -> float:
-    trainer = _Trainer({}, 0.04, kfac)
+    trainer = _Trainer({}, 0.04, {**CLIP, **kfac})
     for x, y in batches:
         if not torch.isfinite(torch.tensor(trainer.step(x, y))):
             return 0.0
