@@ -91,7 +91,8 @@ class Case:
 
 def cases(world_size: int) -> list[Case]:
     """Every strategy valid at ``world_size``, method and packing, EKFAC
-    under each strategy, and the unbucketed allreduce.
+    under each strategy, the unbucketed allreduce, and (at W=2)
+    ``factor_rank``.
     """
     fractions = ['comm_opt', 'mem_opt']
     if world_size % 2 == 0:
@@ -105,6 +106,15 @@ def cases(world_size: int) -> list[Case]:
     ]
     # EKFAC: its bases to every rank and S's allreduce, with packed factors.
     found += [Case(f, CommConfig('ekfac', True, True)) for f in fractions]
+    # factor_rank 8: both A factors at low rank (eigen ignores prediv),
+    # their decompositions broadcast under COMM-OPT; at W=2 only.
+    if world_size == 2:
+        found += [
+            Case(
+                'comm_opt', CommConfig(m, True, m == 'inverse', factor_rank=8)
+            )
+            for m in ('eigen', 'inverse')
+        ]
     # Unbucketed, and a 2 KiB cap: fc's A (4.6 KiB packed) travels alone.
     for cap in (0.0, 2 / 1024):
         comm = CommConfig('inverse', symmetry_aware=True, bucket_cap_mb=cap)
@@ -169,6 +179,7 @@ def _run_case(case: Case, rank: int) -> dict[str, object]:
         allreduce_bucket_cap_mb=comm.bucket_cap_mb,
         grad_worker_fraction=case.fraction,
         inv_update_steps=2,
+        factor_rank=comm.factor_rank,
     )
     meter = PhaseBytes(pre.communicator)
     pre.timer = meter

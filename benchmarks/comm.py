@@ -21,7 +21,11 @@ asks the communicator for:
   ``S`` is updated), broadcast to *every* rank whatever the fraction: each
   rank estimates the scaling from its own examples. Every rank takes part
   in every EKFAC layer's broadcasts (there are some whenever the world has
-  more than one rank).
+  more than one rank). With ``factor_rank`` ``k``, a layer with a dense
+  factor longer than ``k`` is a low-rank layer: each such factor sends
+  ``Q_k`` (``n x k``) and ``k + 1`` values (eigen and inverse alike, never
+  packed), its other factor what the plain method sends without
+  ``compute_eigenvalue_outer_product`` (which low-rank layers ignore).
 * **EKFAC's scaling** (every factor-update step, more than one rank): each
   layer's batch ``S``, shaped like its ``g x a`` gradient, allreduced over
   the world after the decompositions, bucketed like the factors but never
@@ -90,6 +94,7 @@ class CommConfig:
         symmetry_aware: symmetric matrices travel as packed triangles.
         itemsize: bytes per element of factors, decompositions, gradients.
         bucket_cap_mb: ``allreduce_bucket_cap_mb`` (0: no bucketing).
+        factor_rank: ``factor_rank`` (eigen and inverse), or None.
 
     """
 
@@ -98,6 +103,7 @@ class CommConfig:
     symmetry_aware: bool = False
     itemsize: int = 4
     bucket_cap_mb: float = 25.0
+    factor_rank: int | None = None
 
 
 def _square(n: int, packed: bool) -> int:
@@ -115,6 +121,13 @@ def decomposition_payloads(
 ) -> list[int]:
     """Elements of each tensor broadcast for ``factor`` (``'A'``/``'G'``)."""
     n = layer.a_dim if factor == 'A' else layer.g_dim
+    k = config.factor_rank
+    dense = [layer.g_dim] + ([] if layer.a_diagonal else [layer.a_dim])
+    if k is not None and max(dense) > k:  # a low-rank layer
+        if n > k:
+            return [n * k, k + 1]
+        if config.method == 'eigen':
+            return [n * n, n]
     if config.method == 'inverse':
         return [_square(n, config.symmetry_aware)]
     if not config.prediv or config.method == 'ekfac':

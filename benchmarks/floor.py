@@ -352,18 +352,66 @@ def _capture(layer: LayerShape, itemsize: int) -> Work:
     return Work(flops, (moved + layer.running_numel) * itemsize)
 
 
-def _decomposition(layer: LayerShape, method: str, itemsize: int) -> Work:
+def _ranks(layer: LayerShape, rank: int | None) -> tuple[int, int] | None:
+    """``(k_A, k_G)`` of a low-rank layer under ``factor_rank=rank`` (a
+    side kept whole at its full size), or None (a plain layer).
+    """
+    if rank is None or layer.a_diagonal or layer.tied:
+        return None
+    if max(layer.a_dim, layer.g_dim) <= rank:
+        return None
+    return min(layer.a_dim, rank), min(layer.g_dim, rank)
+
+
+def _decomposition(
+    layer: LayerShape, method: str, itemsize: int, rank: int | None = None
+) -> Work:
     a_cube = 0 if layer.a_diagonal else layer.a_dim**3
     cubes = float(a_cube + layer.g_dim**3)
     squares = layer.a_numel + layer.g_dim**2
+    ranks = _ranks(layer, rank)
+    if ranks is not None and method == 'inverse':
+        # eigh of a low-rank factor, the Cholesky inverse of a whole one
+        flops = sum(
+            float(n**3) * (EIGH_FLOPS_PER_N3 if k < n else 1.0)
+            for n, k in zip((layer.a_dim, layer.g_dim), ranks)
+        )
+        return Work(flops, 2 * squares * itemsize)
+    if ranks is not None:  # eigh of each factor, no outer product
+        return Work(EIGH_FLOPS_PER_N3 * cubes, 2 * squares * itemsize)
     if method == 'eigen':
         flops = EIGH_FLOPS_PER_N3 * cubes + 2.0 * layer.grad_numel
         return Work(flops, (2 * squares + layer.grad_numel) * itemsize)
     return Work(INVERSE_FLOPS_PER_N3 * cubes, 2 * squares * itemsize)
 
 
-def _precondition(layer: LayerShape, method: str, itemsize: int) -> Work:
+def _lowrank_chain(a: int, g: int, ka: int, kg: int, method: str) -> float:
+    """Matrix-product flops of the low-rank preconditioner
+    (:func:`kfac.math.lowrank.lowrank_eigen_precondition` or
+    :func:`~kfac.math.lowrank.lowrank_inverse_precondition`).
+    """
+    low_a, low_g = ka < a, kg < g
+    if method == 'inverse':
+        left = 4 * g * kg * a if low_g else 2 * g * g * a
+        right = 4 * g * a * ka if low_a else 2 * g * a * a
+        return float(left + right)
+    flops = 2 * g * a * ka + 4 * kg * g * ka + 2 * g * ka * a
+    flops += 2 * g * kg * ka if low_g else 0
+    if low_a:
+        flops += 2 * g * ka * a + 4 * kg * g * a
+        flops += 2 * g * kg * a if low_g else 0
+    return float(flops)
+
+
+def _precondition(
+    layer: LayerShape, method: str, itemsize: int, rank: int | None = None
+) -> Work:
     a, g, v = layer.a_dim, layer.g_dim, layer.grad_numel
+    ranks = _ranks(layer, rank)
+    if ranks is not None:
+        held = a * ranks[0] + g * ranks[1]  # Q_k of each side
+        flops = _lowrank_chain(a, g, *ranks, method)
+        return Work(flops, (3 * v + held) * itemsize)
     a_side = 0 if layer.a_diagonal else g * a * a
     chain = float(g * g * a + a_side)
     factors = layer.a_numel + g * g
@@ -376,6 +424,7 @@ def phase_work(
     layer: LayerShape,
     method: str,
     itemsize: int = 4,
+    rank: int | None = None,
 ) -> dict[str, Work]:
     """Work of each computing phase of ``layer``, once.
 
@@ -383,6 +432,8 @@ def phase_work(
         layer: the layer (``rows`` must be known for ``factor_capture``).
         method: ``'eigen'`` or ``'inverse'``.
         itemsize: bytes per element of factors and gradients.
+        rank: ``factor_rank`` (a dense factor longer than it kept as
+            ``Q_k``; its decomposition is still a full ``eigh``).
 
     """
     if method not in ('eigen', 'inverse'):
@@ -395,8 +446,8 @@ def phase_work(
         'running_average': Work(
             3.0 * layer.running_numel, 3 * layer.running_numel * itemsize
         ),
-        'decomposition': _decomposition(layer, method, itemsize),
-        'precondition': _precondition(layer, method, itemsize),
+        'decomposition': _decomposition(layer, method, itemsize, rank),
+        'precondition': _precondition(layer, method, itemsize, rank),
         'kl_clip': Work(2.0 * v, 2 * v * itemsize),
         'write_back': Work(float(v), 2 * v * itemsize),
     }
@@ -406,11 +457,12 @@ def step_work(
     layers: Iterable[LayerShape],
     method: str,
     itemsize: int = 4,
+    rank: int | None = None,
 ) -> dict[str, Work]:
     """:func:`phase_work` summed over ``layers``, per phase (once each)."""
     total: dict[str, Work] = {}
     for layer in layers:
-        for phase, work in phase_work(layer, method, itemsize).items():
+        for phase, work in phase_work(layer, method, itemsize, rank).items():
             total[phase] = total.get(phase, Work()) + work
     return total
 

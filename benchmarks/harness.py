@@ -38,6 +38,7 @@ from kfac.tracing import PhaseTimer
 __all__ = [
     'CONFIGS',
     'LR',
+    'RANK_CONFIGS',
     'REDUCE_CONFIGS',
     'Config',
     'Runner',
@@ -70,6 +71,7 @@ class Config:
     compile_mode: str | None = None
     arithmetic: bool = False
     fisher: str = 'empirical'
+    rank: int | None = None
 
 
 CONFIGS = (
@@ -87,15 +89,25 @@ REDUCE_CONFIGS = tuple(
     for c in CONFIGS
     if c.method is not None and c.fisher == 'empirical'
 )
+#: EIGEN with ``factor_rank=64``, for models with much wider factors.
+RANK_CONFIGS = tuple(
+    dataclasses.replace(c, name=f'{c.name} rank64', rank=64)
+    for c in CONFIGS
+    if c.method == 'eigen' and c.fisher == 'empirical'
+)
 
 
 def configs_for(bench: Bench) -> tuple[Config, ...]:
     """:data:`CONFIGS`, plus :data:`REDUCE_CONFIGS` when ``bench``
-    benchmarks reduce.
+    benchmarks reduce and :data:`RANK_CONFIGS` when it benchmarks
+    ``factor_rank``.
     """
+    found: tuple[Config, ...] = CONFIGS
     if 'reduce' in bench.approximations:
-        return CONFIGS + REDUCE_CONFIGS
-    return CONFIGS
+        found += REDUCE_CONFIGS
+    if bench.low_rank:
+        found += RANK_CONFIGS
+    return found
 
 
 def step_kind(step: int, config: Config) -> str:
@@ -165,6 +177,7 @@ class Runner:
                 kfac_approx=config.approx,
                 compile_arithmetic=config.arithmetic,
                 fisher_type=config.fisher,
+                factor_rank=config.rank,
                 **bench.kfac_options,
             )
             self.preconditioner.timer = self.timer

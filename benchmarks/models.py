@@ -203,7 +203,8 @@ class Bench:
     ``inputs[k]`` and ``target[k]`` are batch ``k``. ``skip_layers`` and
     ``kfac_options`` go to :class:`~kfac.preconditioner.KFACPreconditioner`;
     ``approximations`` are the ``kfac_approx`` values benchmarked (reduce
-    only where layers share weights across positions).
+    only where layers share weights across positions); ``low_rank`` adds
+    EIGEN with ``factor_rank=64``.
     """
 
     name: str
@@ -214,13 +215,20 @@ class Bench:
     skip_layers: tuple[str, ...] = SKIP_LAYERS
     kfac_options: dict[str, Any] = dataclasses.field(default_factory=dict)
     approximations: tuple[str, ...] = ('expand', 'reduce')
+    low_rank: bool = False
 
 
 def _mlp(generator: torch.Generator) -> Bench:
     x = torch.randn(BATCHES, 128, 64, generator=generator)
     y = torch.randint(0, 10, (BATCHES, 128), generator=generator)
     return Bench(
-        'mlp', MLP(), x, y, F.cross_entropy, approximations=('expand',)
+        'mlp',
+        MLP(),
+        x,
+        y,
+        F.cross_entropy,
+        approximations=('expand',),
+        low_rank=True,
     )
 
 

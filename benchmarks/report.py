@@ -167,14 +167,18 @@ def _ratio(configs: Mapping[str, Any], name: str, key: str) -> str:
     return _f(value)
 
 
+_LABELS = {'': 'expand', ' reduce': 'reduce', ' rank64': 'factor_rank=64'}
+
+
 def summary_table(result: Mapping[str, Any]) -> str:
-    """Per model and ``kfac_approx``: the 10/100 ratios to SGD, their
-    floors, and the worst phase/floor.
+    """Per model and ``kfac_approx`` (and ``factor_rank=64`` where
+    benchmarked): the 10/100 ratios to SGD, their floors, and the worst
+    phase/floor.
     """
     rows = []
     for model, data in result['models'].items():
         configs = data['configs']
-        for suffix in ('', ' reduce'):
+        for suffix in ('', ' reduce', ' rank64'):
             eigen, inverse = f'eigen 10/100{suffix}', f'inverse 10/100{suffix}'
             if eigen not in configs:
                 continue
@@ -185,7 +189,7 @@ def summary_table(result: Mapping[str, Any]) -> str:
             rows.append(
                 [
                     model,
-                    suffix.strip() or 'expand',
+                    _LABELS[suffix],
                     _ratio(configs, eigen, 'x'),
                     _ratio(configs, inverse, 'x'),
                     ' / '.join(floors),

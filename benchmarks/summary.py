@@ -115,7 +115,7 @@ def paired_ratios(
     return {kind: statistics.median(v) for kind, v in by_kind.items()}
 
 
-Fallbacks = dict[tuple[str, str], dict[str, float]]
+Fallbacks = dict[tuple[str, str, int | None], dict[str, float]]
 
 
 def _fi_fallbacks(runners: list[Runner]) -> Fallbacks:
@@ -130,7 +130,11 @@ def _fi_fallbacks(runners: list[Runner]) -> Fallbacks:
         medians = kind_medians(runner.samples).get('fi')
         if runner.config.method is None or medians is None:
             continue
-        method = (runner.config.method, runner.config.approx)
+        method = (
+            runner.config.method,
+            runner.config.approx,
+            runner.config.rank,
+        )
         if medians['n'] > found.get(method, {}).get('n', 0.0):
             ratio = paired_ratios(runner.samples, sgd_times)['fi']
             found[method] = {**medians, 'paired_ratio': ratio}
@@ -186,7 +190,7 @@ def _kfac(
     assert config.method is not None
     medians = kind_medians(runner.samples)
     paired = paired_ratios(runner.samples, sgd_times)
-    key = (config.method, config.approx)
+    key = (config.method, config.approx, config.rank)
     if 'fi' not in medians and key in fallbacks:
         medians['fi'] = fallbacks[key]
         paired['fi'] = fallbacks[key]['paired_ratio']
@@ -241,7 +245,7 @@ def _phases(
     seconds: dict[str, float],
 ) -> dict[str, dict[str, float | None]]:
     """Per phase, amortised per step: seconds, floor seconds, their ratio."""
-    work = step_work(shapes, method)
+    work = step_work(shapes, method, rank=config.rank)
     counts = cycle_counts(config.factor_steps, config.inv_steps, CYCLE)
     result: dict[str, dict[str, float | None]] = {}
     for phase in seconds:

@@ -26,10 +26,8 @@ from kfac.enums import parse_enum
 from kfac.layers.attention import convert_attention
 from kfac.layers.base import KFACBaseLayer
 from kfac.layers.eigen import BASIS_REFRESHES
-from kfac.layers.eigen import KFACEigenLayer
-from kfac.layers.ekfac import KFACEKFACLayer
+from kfac.layers.factory import make_layer
 from kfac.layers.helper import ModuleHelper
-from kfac.layers.inverse import KFACInverseLayer
 from kfac.layers.options import DEFAULT_MAX_FACTOR_DIM
 from kfac.layers.options import KFAC_APPROXIMATIONS
 from kfac.layers.options import ModuleOptions
@@ -38,12 +36,9 @@ from kfac.layers.register import Registration
 from kfac.layers.register import compile_patterns
 from kfac.layers.register import register_model
 from kfac.layers.statistics import check_loss_average
-from kfac.layers.tied import KFACTiedEigenLayer
-from kfac.layers.tied import KFACTiedEKFACLayer
-from kfac.layers.tied import KFACTiedInverseLayer
-from kfac.layers.tied import TiedHelper
 from kfac.math import KL_CLIP_RULES
 from kfac.math.fisher import FISHER_TYPES
+from kfac.math.lowrank import DAMPING_MODES
 from kfac.placement import parse_grad_worker_fraction
 from kfac.validation import check_bool
 from kfac.validation import check_choice
@@ -85,8 +80,8 @@ class KFACConfig:
         TypeError: a field has the wrong type.
         ValueError: a field has a disallowed value, EIGEN's
             `compute_eigenvalue_outer_product` is asked for without
-            `colocate_factors`, or `basis_refresh='qr'` with INVERSE (which
-            has no eigenbasis).
+            `colocate_factors`, `basis_refresh='qr'` with INVERSE (which
+            has no eigenbasis), or `damping_mode='relative'` with EKFAC.
 
     Examples:
         >>> KFACConfig(compute_method='Inverse').compute_method
@@ -119,6 +114,8 @@ class KFACConfig:
     fisher_type: str = 'empirical'
     mc_samples: int = 1
     mc_seed: int = 0
+    factor_rank: int | None = None
+    damping_mode: str = 'absolute'
 
     def __post_init__(self) -> None:
         checked = {
@@ -170,6 +167,12 @@ class KFACConfig:
             ),
             'mc_samples': validate_int('mc_samples', self.mc_samples),
             'mc_seed': validate_int('mc_seed', self.mc_seed, minimum=0),
+            'factor_rank': None
+            if self.factor_rank is None
+            else validate_int('factor_rank', self.factor_rank),
+            'damping_mode': check_choice(
+                'damping_mode', self.damping_mode, DAMPING_MODES
+            ),
             'module_options': {
                 pattern: dict(options)
                 for pattern, options in check_module_options(
@@ -198,6 +201,15 @@ class KFACConfig:
                 'colocate_factors=True (both eigendecompositions on one rank)',
             )
         if (
+            self.compute_method is ComputeMethod.EKFAC
+            and self.damping_mode != 'absolute'
+        ):
+            raise ValueError(
+                f'damping_mode={self.damping_mode!r} needs '
+                "compute_method='eigen' or 'inverse'; EKFAC adds λ to its "
+                "scaling as given (leave damping_mode='absolute')",
+            )
+        if (
             self.compute_method is ComputeMethod.INVERSE
             and self.basis_refresh != 'eigh'
         ):
@@ -222,6 +234,7 @@ class KFACConfig:
                 batch_first=self.batch_first,
                 kfac_approx=self.kfac_approx,
                 max_factor_dim=self.max_factor_dim,
+                factor_rank=self.factor_rank,
             ),
             module_options=self.module_options,
         )
@@ -234,31 +247,24 @@ class KFACConfig:
             )
         return registration
 
-    def make_layer(self, helper: ModuleHelper) -> KFACBaseLayer:
-        """The layer of `compute_method` (tied or not) for `helper`."""
-        tied = isinstance(helper, TiedHelper)
-        if self.compute_method in _EIGENBASES:
-            kinds = _EIGENBASES[ComputeMethod(self.compute_method)]
-            return kinds[tied](
-                helper,
-                prediv_eigenvalues=self.compute_eigenvalue_outer_product,
-                basis_refresh=self.basis_refresh,
-                factor_dtype=self.factor_dtype,
-                inv_dtype=self.inv_dtype,
-                loss_average=self.loss_average,
-            )
-        return (KFACTiedInverseLayer if tied else KFACInverseLayer)(
+    def make_layer(
+        self, name: str, helper: ModuleHelper, options: ModuleOptions
+    ) -> KFACBaseLayer:
+        """The layer of `compute_method` for module `name` (see
+        [`make_layer`][kfac.layers.factory.make_layer]).
+        """
+        return make_layer(
+            name,
             helper,
+            options,
+            method=ComputeMethod(self.compute_method),
+            prediv_eigenvalues=self.compute_eigenvalue_outer_product,
+            basis_refresh=self.basis_refresh,
             factor_dtype=self.factor_dtype,
             inv_dtype=self.inv_dtype,
             loss_average=self.loss_average,
+            damping_mode=self.damping_mode,
         )
-
-
-_EIGENBASES = {
-    ComputeMethod.EIGEN: (KFACEigenLayer, KFACTiedEigenLayer),
-    ComputeMethod.EKFAC: (KFACEKFACLayer, KFACTiedEKFACLayer),
-}
 
 
 def _check_mc(config: KFACConfig) -> None:

@@ -63,7 +63,7 @@ class KFACPreconditioner(BaseKFACPreconditioner):
         inv_update_steps: steps between decompositions.
         damping: `λ` (EIGEN: added to the Kronecker product exactly;
             EKFAC: added to the scaling `S`; INVERSE: split between the
-            factors with the π correction).
+            factors with the π correction); see `damping_mode`.
         factor_decay: `ξ` in (0, 1] of the factors' running average.
         kl_clip: `κ` of the clip (its meaning per `kl_clip_rule`), or
             None to disable it.
@@ -113,8 +113,13 @@ class KFACPreconditioner(BaseKFACPreconditioner):
             layer with a longer one is preconditioned in tiles with
             block-diagonal factors of at most this side (see
             [`kfac.layers.blocks`][kfac.layers.blocks]); None: no limit.
+        factor_rank: keep a dense factor longer than this as its top
+            `factor_rank` eigenpairs plus one value for the rest of its
+            spectrum (EIGEN and INVERSE; see
+            [`kfac.math.lowrank`][kfac.math.lowrank]); None: whole.
         module_options: per-module overrides of the options above that are
-            per module (`batch_first`, `kfac_approx`, `max_factor_dim`):
+            per module (`batch_first`, `kfac_approx`, `max_factor_dim`,
+            `factor_rank`):
             `{pattern: {option: value}}`, a pattern selecting modules by
             dotted name or class name.
         shard_mode: how gradients of a model sharded with FSDP2
@@ -155,6 +160,9 @@ class KFACPreconditioner(BaseKFACPreconditioner):
             [`kfac.math.fisher`][kfac.math.fisher]).
         mc_samples: `'mc'`: sampled backward passes per forward pass.
         mc_seed: `'mc'`: the seed of the sampling (saved in `state_dict()`).
+        damping_mode: `'absolute'` (`λ` as given) or `'relative'` (`λ`
+            times each layer's mean eigenvalue of `A ⊗ G`, so one value
+            suits layers and models of any scale; EIGEN and INVERSE).
 
     Every hyperparameter (`factor_update_steps` to `lr`) may also be a
     callable `step -> value`.
@@ -198,6 +206,8 @@ class KFACPreconditioner(BaseKFACPreconditioner):
         fisher_type: str = 'empirical',
         mc_samples: int = 1,
         mc_seed: int = 0,
+        factor_rank: int | None = None,
+        damping_mode: str = 'absolute',
     ) -> None:
         check_instance('model', model, nn.Module, 'a torch.nn.Module')
         hyperparameters = Hyperparameters(
@@ -240,6 +250,8 @@ class KFACPreconditioner(BaseKFACPreconditioner):
             fisher_type=fisher_type,
             mc_samples=mc_samples,
             mc_seed=mc_seed,
+            factor_rank=factor_rank,
+            damping_mode=damping_mode,
         )
         check_model(unwrap(model))
         self.config = config
@@ -252,7 +264,9 @@ class KFACPreconditioner(BaseKFACPreconditioner):
             if entry.reason.startswith('frozen')
         }
         layers = {
-            name: config.make_layer(helper)
+            name: config.make_layer(
+                name, helper, self.registration.options[name]
+            )
             for name, helper in self.registration.helpers.items()
         }
         assignment = KAISAAssignment(

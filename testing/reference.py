@@ -334,3 +334,24 @@ def py_classes(
         py_class(row, py_uniform(seed, step, index, sample))
         for row, index in zip(probs.tolist(), indices)
     ]
+
+
+def lowrank_plus_constant(f: torch.Tensor, rank: int) -> torch.Tensor:
+    """``Q_k diag(d_k) Q_kᵀ + c (I - Q_k Q_kᵀ)`` as a dense matrix: the
+    ``rank`` largest eigenpairs of ``f`` (from ``torch.linalg.eigh``) and
+    ``c = (tr F - Σ d_k) / (n - k)``; ``f`` itself when ``rank >= n``.
+    """
+    n = f.shape[0]
+    if rank >= n:
+        return f
+    d, q = torch.linalg.eigh(f)
+    qk, dk = q[:, n - rank :], d[n - rank :]
+    c = max(float((f.trace() - dk.sum()) / (n - rank)), 0.0)
+    eye = torch.eye(n, dtype=f.dtype)
+    dense: torch.Tensor = qk @ torch.diag(dk) @ qk.T + c * (eye - qk @ qk.T)
+    return dense
+
+
+def mean_eigenvalue(f: torch.Tensor) -> float:
+    """``tr F / dim F``."""
+    return float(f.trace()) / f.shape[0]

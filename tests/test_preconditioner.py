@@ -7,6 +7,7 @@ import logging
 import time
 import warnings
 from collections.abc import Callable
+from typing import Any
 
 import pytest
 import torch
@@ -464,3 +465,44 @@ def test_output_without_grad_captures_only_inputs() -> None:
     precon.step()
     assert not precon.layers['0'].has_factors
     assert precon.layers['1'].has_factors
+
+
+def test_factor_rank_no_shorter_than_the_factors_is_plain_eigen() -> None:
+    """`factor_rank` at the longest side builds EIGEN's layers: the same
+    parameters, bit for bit; one less keeps that factor at low rank.
+    """
+    results = []
+    for rank in (None, 49, 48):
+        torch.manual_seed(0)
+        model = TinyCNN().double()
+        precon = KFACPreconditioner(model, factor_rank=rank, lr=0.1)
+        for step in range(3):
+            x, y = classification_data(6, (2, 8, 8), seed=step)
+            model.zero_grad()
+            F.cross_entropy(model(x), y).backward()
+            precon.step()
+        grads = [p.grad for p in model.parameters() if p.grad is not None]
+        results.append(torch.cat([g.flatten() for g in grads]))
+    assert torch.equal(results[0], results[1])
+    assert not torch.equal(results[0], results[2])
+
+
+@pytest.mark.parametrize(
+    ('kwargs', 'error', 'match'),
+    [
+        ({'factor_rank': 0}, ValueError, 'factor_rank'),
+        ({'factor_rank': 2.5}, TypeError, 'factor_rank'),
+        ({'damping_mode': 'scaled'}, ValueError, 'damping_mode'),
+        (
+            {'damping_mode': 'relative', 'compute_method': 'ekfac'},
+            ValueError,
+            "needs compute_method='eigen' or 'inverse'",
+        ),
+        ({'module_options': {'fc': {'factor_rank': 0}}}, ValueError, 'fc'),
+    ],
+)
+def test_cost_options_are_validated(
+    kwargs: dict[str, Any], error: type[Exception], match: str
+) -> None:
+    with pytest.raises(error, match=match):
+        KFACPreconditioner(TinyCNN(), **kwargs)

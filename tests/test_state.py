@@ -57,10 +57,19 @@ KWARGS = [
     },
     {'compute_method': 'eigen', 'basis_refresh': 'qr'},
 ]
+COST_KWARGS = [
+    # the low-rank form (warm-started from a loaded (n, k) basis at step
+    # 6) and relative damping, resumed between decompositions only
+    {'factor_rank': 8, 'basis_refresh': 'qr', 'damping_mode': 'relative'},
+    {'compute_method': 'inverse', 'factor_rank': 8},
+]
 
 
-@pytest.mark.parametrize('kwargs', KWARGS)
-@pytest.mark.parametrize('stop', [3, 5])
+@pytest.mark.parametrize(
+    ('kwargs', 'stop'),
+    [(k, stop) for stop in (3, 5) for k in KWARGS]
+    + [(k, 5) for k in COST_KWARGS],
+)
 def test_resume_is_bit_identical(kwargs: dict[str, Any], stop: int) -> None:
     torch.manual_seed(0)
     options = dict(

@@ -2,7 +2,8 @@
 
 `import kfac.layers` imports its submodules (`attention`, `base`, `blocks`,
 `conv`, `decomposition`, `eigen`, `ekfac`, `embedding`, `examples`,
-`factor`, `helper`, `inverse`, `modules`, `options`, `register`,
+`factor`, `factory`, `helper`, `inverse`, `lowrank`, `modules`,
+`options`, `register`,
 `statistics`, `tied`).
 """
 
@@ -18,8 +19,10 @@ from kfac.layers import ekfac
 from kfac.layers import embedding
 from kfac.layers import examples
 from kfac.layers import factor
+from kfac.layers import factory
 from kfac.layers import helper
 from kfac.layers import inverse
+from kfac.layers import lowrank
 from kfac.layers import modules
 from kfac.layers import options
 from kfac.layers import register
@@ -45,8 +48,10 @@ __all__ = [
     'embedding',
     'examples',
     'factor',
+    'factory',
     'helper',
     'inverse',
+    'lowrank',
     'modules',
     'options',
     'register',

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import abc
 from collections import Counter
+from collections.abc import Callable
 from typing import ClassVar
 
 import torch
@@ -25,9 +26,12 @@ from kfac.layers.decomposition import DecompositionAttempts
 from kfac.layers.decomposition import Layout
 from kfac.layers.helper import Grads
 from kfac.layers.helper import ModuleHelper
+from kfac.math.lowrank import DAMPING_MODES
+from kfac.math.lowrank import relative_damping
 from kfac.state import LayerSpec
 from kfac.state import SavedDecomposition
 from kfac.state import SavedLayer
+from kfac.validation import check_choice
 
 __all__ = ['KFACBaseLayer']
 
@@ -49,6 +53,9 @@ class KFACBaseLayer(DecompositionAttempts):
             multiplied by `N`), `'batch+sequence'` (over examples and
             positions) or `None` (a summed loss); see
             [`kfac.math`][kfac.math].
+        damping_mode: `'absolute'` (`λ` as given) or `'relative'` (`λ`
+            times the mean eigenvalue of `A ⊗ G`; see
+            [`kfac.math.lowrank`][kfac.math.lowrank]).
 
     """
 
@@ -64,7 +71,11 @@ class KFACBaseLayer(DecompositionAttempts):
         factor_dtype: torch.dtype | None = None,
         inv_dtype: torch.dtype | None = None,
         loss_average: str | None = 'batch',
+        damping_mode: str = 'absolute',
     ) -> None:
+        self.damping_mode = check_choice(
+            'damping_mode', damping_mode, DAMPING_MODES
+        )
         super().__init__(
             module,
             factor_dtype=factor_dtype,
@@ -90,6 +101,19 @@ class KFACBaseLayer(DecompositionAttempts):
         if moved:
             self.grad = self.raw_grad = None
         return moved
+
+    def effective_damping(
+        self,
+        damping: float,
+        means: Callable[[], tuple[torch.Tensor, torch.Tensor]],
+    ) -> float | torch.Tensor:
+        """The damping applied: `λ`, or under `damping_mode='relative'`
+        `λ m(A) m(G)` from the factors' mean eigenvalues `means()`
+        ([`relative_damping`][kfac.math.lowrank.relative_damping]).
+        """
+        if self.damping_mode == 'absolute':
+            return damping
+        return relative_damping(damping, *means())
 
     # Decompositions --------------------------------------------------------
 

@@ -114,7 +114,9 @@ class KFACEigenLayer(KFACBaseLayer):
                 f'{self}: with compute_eigenvalue_outer_product the A '
                 'factor must be decomposed on the same rank before G',
             )
-        return (q, eigenvalue_outer_product(d, self._da.to(d.dtype), damping))
+        da = self._da.to(d.dtype)
+        shift = self.effective_damping(damping, lambda: (da.mean(), d.mean()))
+        return (q, eigenvalue_outer_product(d, da, shift))
 
     @property
     def decomposition_format(self) -> str:
@@ -145,7 +147,10 @@ class KFACEigenLayer(KFACBaseLayer):
         if self.prediv_eigenvalues:
             scale = g[1]
         else:
-            scale = eigenvalue_outer_product(g[1], a[-1], damping)
+            shift = self.effective_damping(
+                damping, lambda: (a[-1].mean(), g[1].mean())
+            )
+            scale = eigenvalue_outer_product(g[1], a[-1], shift)
         if self.a.diagonal:
             return diagonal_eigen_precondition(grad, g[0], scale)
         return eigen_precondition(grad, a[0], g[0], scale)

@@ -29,6 +29,23 @@ class KFACInverseLayer(KFACBaseLayer):
     rank.
     """
 
+    def shift(self, name: str, damping: float) -> float | torch.Tensor:
+        """Factor `name`'s damping shift: `π √λ` for `A`, `√λ / π` for `G`
+        (`λ` made relative first under `damping_mode='relative'`).
+        """
+        a, g = self.decomposition_input('A'), self.decomposition_input('G')
+        if a is None or g is None:
+            raise RuntimeError(f'{self} has no factors yet')
+        if self.a.diagonal:  # a 1 x 1 factor with the same tr A / dim A
+            a = a.mean().reshape(1, 1)
+        pi = pi_correction(a, g)
+        lam = self.effective_damping(
+            damping,
+            lambda: (torch.diagonal(a).mean(), torch.diagonal(g).mean()),
+        )
+        root = lam**0.5 if isinstance(lam, torch.Tensor) else math.sqrt(lam)
+        return pi * root if name == 'A' else root / pi
+
     def _decompose(
         self,
         name: str,
@@ -36,14 +53,7 @@ class KFACInverseLayer(KFACBaseLayer):
         dtype: torch.dtype,
         damping: float,
     ) -> Decomposed:
-        a, g = self.decomposition_input('A'), self.decomposition_input('G')
-        if a is None or g is None:
-            raise RuntimeError(f'{self} has no factors yet')
-        if self.a.diagonal:  # a 1 x 1 factor with the same tr A / dim A
-            a = a.mean().reshape(1, 1)
-        pi = pi_correction(a, g)
-        root = math.sqrt(damping)
-        shift = pi * root if name == 'A' else root / pi
+        shift = self.shift(name, damping)
         if self.factor(name).diagonal:
             diagonal, ok = damped_diagonal_inverse(matrix, shift, dtype)
             return Decomposed((diagonal,), ok)

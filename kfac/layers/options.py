@@ -1,6 +1,7 @@
 """Per-module options: one model-wide value, overrides by name or type.
 
-Every per-module option (`batch_first`, `kfac_approx`, `max_factor_dim`) has
+Every per-module option (`batch_first`, `kfac_approx`, `max_factor_dim`,
+`factor_rank`) has
 a model-wide value,
 a keyword argument of the preconditioner. `module_options` overrides it for the
 modules it selects: `{pattern: {option: value}}`, where a pattern is a regular
@@ -72,11 +73,19 @@ class ModuleOptions:
     (see [`kfac.layers.blocks`][kfac.layers.blocks]). None: no limit. A
     diagonal factor (an embedding's `A`) is never split."""
 
+    factor_rank: int | None = None
+    """Keep a dense factor longer than this as its `factor_rank` largest
+    eigenpairs plus the mean of the rest of its spectrum (see
+    [`kfac.math.lowrank`][kfac.math.lowrank]); None: every factor whole.
+    EIGEN and INVERSE only; not for an embedding or a tied weight."""
+
     def __post_init__(self) -> None:
         check_bool('batch_first', self.batch_first)
         check_choice('kfac_approx', self.kfac_approx, KFAC_APPROXIMATIONS)
         if self.max_factor_dim is not None:
             validate_int('max_factor_dim', self.max_factor_dim)
+        if self.factor_rank is not None:
+            validate_int('factor_rank', self.factor_rank)
 
 
 OPTION_NAMES = tuple(f.name for f in dataclasses.fields(ModuleOptions))

@@ -88,6 +88,11 @@ Damping `λ`:
   (see [`kfac.math.ekfac`][kfac.math.ekfac], which also refreshes
   eigenbases from a warm start).
 
+With `damping_mode='relative'` the `λ` above is `λ · m(A) m(G)`, the
+mean eigenvalues `m(F) = tr F / dim F` (see
+[`kfac.math.lowrank`][kfac.math.lowrank], which also defines the
+low-rank-plus-constant factors of `factor_rank`).
+
 A weight tied in transposed roles (an embedding and its output head) is
 preconditioned with one Kronecker product combining both uses (see
 [`kfac.math.tied`][kfac.math.tied]).
@@ -258,7 +263,7 @@ def symmetric_eigh(
 def eigenvalue_outer_product(
     dg: torch.Tensor,
     da: torch.Tensor,
-    damping: float,
+    damping: float | torch.Tensor,
 ) -> torch.Tensor:
     """Return `1 / (d_G d_Aᵀ + λ)` of shape `(out, in[+1])`."""
     return torch.outer(dg, da).add_(damping).reciprocal_()

@@ -26,6 +26,7 @@ from benchmarks.floor import layer_shapes
 from benchmarks.floor import phase_work
 from benchmarks.floor import step_work
 from benchmarks.harness import CONFIGS
+from benchmarks.harness import RANK_CONFIGS
 from benchmarks.harness import REDUCE_CONFIGS
 from benchmarks.harness import Config
 from benchmarks.harness import Sample
@@ -51,6 +52,8 @@ from kfac.layers.base import KFACBaseLayer
 from kfac.layers.eigen import KFACEigenLayer
 from kfac.layers.embedding import EmbeddingModuleHelper
 from kfac.layers.inverse import KFACInverseLayer
+from kfac.layers.lowrank import KFACLowRankEigenLayer
+from kfac.layers.lowrank import KFACLowRankInverseLayer
 from kfac.layers.modules import Conv2dModuleHelper
 from kfac.layers.modules import LinearModuleHelper
 from kfac.layers.modules import ModuleHelper
@@ -437,6 +440,38 @@ def test_paired_ratios_compare_steps_of_the_same_round() -> None:
     assert ratios == {'-': pytest.approx(1.1), 'f': pytest.approx(1.5)}
 
 
+@pytest.mark.parametrize('method', ['eigen', 'inverse'])
+@pytest.mark.parametrize(
+    ('module', 'shape', 'rank'),
+    [
+        (nn.Linear(7, 5), (6, 7), 3),  # both factors at low rank
+        (nn.Linear(7, 5), (6, 7), 5),  # G (5) whole
+        (nn.Conv2d(3, 4, 3, stride=2, padding=1), (2, 3, 9, 9), 2),
+    ],
+)
+def test_low_rank_precondition_flops_match_the_library(
+    method: str, module: nn.Module, shape: tuple[int, ...], rank: int
+) -> None:
+    torch.manual_seed(0)
+    x = _input(module, shape)
+    (counted_shape,) = layer_shapes(nn.Sequential(module), x)
+    cls = (
+        KFACLowRankEigenLayer if method == 'eigen' else KFACLowRankInverseLayer
+    )
+    layer = cls(_helper(module, 'expand'), rank=rank)
+    out = module(x)
+    out.sum().backward()
+    layer.save_layer_input(x, now=True)
+    layer.save_layer_grad_output(torch.randn_like(out), now=True)
+    layer.update_factors(0.95)
+    layer.commit_factors()
+    for name in ('A', 'G'):
+        assert layer.compute_decomposition(name, 0.1)
+    precondition = _flops(lambda: layer.precondition_grad(0.1))
+    work = phase_work(counted_shape, method, rank=rank)
+    assert precondition == work['precondition'].flops > 0
+
+
 # --------------------------------------------------------------------------
 # The harness end to end on the MLP (a smoke test: no time is asserted).
 
@@ -456,7 +491,7 @@ def test_run_model_and_report_smoke() -> None:
     finally:
         torch.set_num_threads(threads)
     configs = result['configs']
-    assert list(configs) == [c.name for c in CONFIGS]
+    assert list(configs) == [c.name for c in (*CONFIGS, *RANK_CONFIGS)]
     for name, entry in configs.items():
         assert entry['step_seconds']['n'] == (1 if '1/1' in name else 10)
         if name == 'sgd':
@@ -475,6 +510,7 @@ def test_run_model_and_report_smoke() -> None:
         }
     )
     assert '| mlp | sgd |' in text
+    assert '| mlp | factor_rank=64 |' in text
     assert 'eigen 10/100 x SGD' in text
 
 

@@ -114,7 +114,43 @@ def configurations(world_size: int) -> list[dict[str, Any]]:
         'lr': 0.1,
     }
     configs += [mc, {**mc, 'resume': True}]
+    if world_size == 2:
+        configs += cost_configurations()
     return configs
+
+
+def cost_configurations() -> list[dict[str, Any]]:
+    """`factor_rank` (decompositions broadcast under COMM-OPT, gradients
+    under MEM-OPT) and `damping_mode='relative'`, at W=2 only.
+    """
+    base = {'damping': 0.01, 'kl_clip': 0.01, 'lr': 0.1, 'inv_update_steps': 2}
+    return [
+        {
+            **base,
+            'grad_worker_fraction': 'comm_opt',
+            'factor_rank': 3,
+            'basis_refresh': 'qr',
+            'damping_mode': 'relative',
+        },
+        {
+            **base,
+            'grad_worker_fraction': 'mem_opt',
+            'compute_method': 'inverse',
+            'factor_rank': 2,
+            'symmetry_aware': True,
+        },
+        {
+            **base,
+            'grad_worker_fraction': 'comm_opt',
+            'damping_mode': 'relative',
+        },
+        {
+            **base,
+            'grad_worker_fraction': 'mem_opt',
+            'compute_method': 'inverse',
+            'damping_mode': 'relative',
+        },
+    ]
 
 
 def ekfac_configuration(strategy: str) -> dict[str, Any]:
@@ -159,7 +195,7 @@ def train(
     # process and W ranks would choose differently. PooledCNN's factors
     # have full rank.
     special = config.get('compute_method') == 'ekfac' or (
-        'basis_refresh' in config
+        'basis_refresh' in config or 'factor_rank' in config
     )
     model = (PooledCNN() if special else TinyCNN()).to(device, torch.float64)
     wrapped = oracle.wrap(model)
