@@ -27,6 +27,8 @@ from kfac.layers.options import DEFAULT_MAX_FACTOR_DIM
 from kfac.layers.options import KFAC_APPROXIMATIONS
 from kfac.layers.options import check_module_options
 from kfac.layers.register import compile_patterns
+from kfac.layers.sampling import check_position_sample
+from kfac.layers.sampling import check_seed
 from kfac.layers.statistics import check_loss_average
 from kfac.math import KL_CLIP_RULES
 from kfac.placement import parse_grad_worker_fraction
@@ -101,6 +103,8 @@ class KFACConfig:
     kl_clip_rule: str = 'kl'
     basis_refresh: str = 'eigh'
     compile_arithmetic: bool = False
+    position_sample: int | float | None = None
+    position_sample_seed: int = 0
 
     def __post_init__(self) -> None:
         checked = {
@@ -147,6 +151,8 @@ class KFACConfig:
             'basis_refresh': check_choice(
                 'basis_refresh', self.basis_refresh, BASIS_REFRESHES
             ),
+            'position_sample': check_position_sample(self.position_sample),
+            'position_sample_seed': check_seed(self.position_sample_seed),
             'module_options': {
                 pattern: dict(options)
                 for pattern, options in check_module_options(
@@ -209,6 +215,9 @@ class EngineOptions:
         compile_arithmetic: fold each factor's batch into its running
             average with one kernel compiled by `torch.compile` (see
             [`KroneckerFactor.update`][kfac.layers.factor.KroneckerFactor.update]).
+        position_sample_seed: the seed of the positions drawn for
+            `position_sample` (see
+            [`kfac.layers.sampling`][kfac.layers.sampling]).
 
     Raises:
         TypeError: a field has the wrong type.
@@ -221,6 +230,7 @@ class EngineOptions:
     shard_mode: str = 'lossless'
     kl_clip_rule: str = 'kl'
     compile_arithmetic: bool = False
+    position_sample_seed: int = 0
 
     def __post_init__(self) -> None:
         validate_int('accumulation_steps', self.accumulation_steps)
@@ -229,3 +239,26 @@ class EngineOptions:
         check_choice('shard_mode', self.shard_mode, SHARD_MODES)
         check_choice('kl_clip_rule', self.kl_clip_rule, KL_CLIP_RULES)
         check_bool('compile_arithmetic', self.compile_arithmetic)
+        check_seed(self.position_sample_seed)
+
+    def saved(self) -> dict[str, str | int]:
+        """The options a `state_dict()` keeps: `kl_clip_rule` and
+        `position_sample_seed`.
+        """
+        return {
+            'kl_clip_rule': self.kl_clip_rule,
+            'position_sample_seed': self.position_sample_seed,
+        }
+
+    def restored(self, saved: Mapping[str, str | int]) -> EngineOptions:
+        """These options with the saved ones of a (parsed) state; a state
+        without them has `kl_clip_rule='kl'` (the only rule before format
+        3) and keeps this `position_sample_seed` (none before format 4).
+        """
+        return dataclasses.replace(
+            self,
+            kl_clip_rule=str(saved.get('kl_clip_rule', 'kl')),
+            position_sample_seed=int(
+                saved.get('position_sample_seed', self.position_sample_seed)
+            ),
+        )

@@ -4,12 +4,10 @@ from __future__ import annotations
 
 import copy
 import logging
-import sys
 from collections.abc import Callable
 from collections.abc import Iterable
 from collections.abc import Mapping
 from typing import Any
-from typing import cast
 
 import torch
 from torch import nn
@@ -17,6 +15,7 @@ from torch import nn
 from kfac._engine.fsdp import check_model
 from kfac._engine.report import describe_registration
 from kfac._engine.report import format_report
+from kfac._engine.wrappers import unwrap_model as _unwrap
 from kfac.assignment import KAISAAssignment
 from kfac.assignment import decomposition_work
 from kfac.base_preconditioner import BaseKFACPreconditioner
@@ -44,6 +43,7 @@ from kfac.layers.options import DEFAULT_MAX_FACTOR_DIM
 from kfac.layers.options import ModuleOptions
 from kfac.layers.register import Registration
 from kfac.layers.register import register_model
+from kfac.layers.sampling import SampleKey
 from kfac.layers.tied import KFACTiedEigenLayer
 from kfac.layers.tied import KFACTiedEKFACLayer
 from kfac.layers.tied import KFACTiedInverseLayer
@@ -53,29 +53,6 @@ from kfac.validation import check_instance
 __all__ = ['FractionLike', 'KFACConfig', 'KFACPreconditioner']
 
 logger = logging.getLogger(__name__)
-
-
-def _compiled(model: nn.Module) -> bool:
-    """Whether `model` is the wrapper `torch.compile(module)` returns
-    (without importing the compiler: no such wrapper exists before it is
-    imported).
-    """
-    frames = sys.modules.get('torch._dynamo.eval_frame')
-    wrapper = getattr(frames, 'OptimizedModule', None)
-    return wrapper is not None and isinstance(model, wrapper)
-
-
-def _unwrap(model: nn.Module) -> nn.Module:
-    """The model inside its `DistributedDataParallel` and `torch.compile`
-    wrappers (in any order), so that layer names do not depend on them.
-    """
-    while True:
-        if isinstance(model, nn.parallel.DistributedDataParallel):
-            model = model.module
-        elif _compiled(model):
-            model = cast(nn.Module, model._orig_mod)
-        else:
-            return model
 
 
 _EIGENBASES = {
@@ -174,7 +151,8 @@ class KFACPreconditioner(BaseKFACPreconditioner):
             block-diagonal factors of at most this side (see
             [`kfac.layers.blocks`][kfac.layers.blocks]); None: no limit.
         module_options: per-module overrides of the options above that are
-            per module (`batch_first`, `kfac_approx`, `max_factor_dim`):
+            per module (`batch_first`, `kfac_approx`, `max_factor_dim`,
+            `position_sample`):
             `{pattern: {option: value}}`, a pattern selecting modules by
             dotted name or class name.
         shard_mode: how gradients of a model sharded with FSDP2
@@ -206,6 +184,11 @@ class KFACPreconditioner(BaseKFACPreconditioner):
             update compiles it, a few seconds). Off by default: on CPUs it
             is slower below factors of about 1000 rows (see the compile
             guide).
+        position_sample: form `A` and `G` from a sample of each example's
+            weight-sharing positions: an int (positions per example) or a
+            float in (0, 1] (a fraction of them); None: all. Unbiased; see
+            [`kfac.layers.sampling`][kfac.layers.sampling].
+        position_sample_seed: the seed of those draws (saved in the state).
 
     Every hyperparameter (`factor_update_steps` to `lr`) may also be a
     callable `step -> value`.
@@ -246,6 +229,8 @@ class KFACPreconditioner(BaseKFACPreconditioner):
         kl_clip_rule: str = 'kl',
         basis_refresh: str = 'eigh',
         compile_arithmetic: bool = False,
+        position_sample: int | float | None = None,
+        position_sample_seed: int = 0,
     ) -> None:
         check_instance('model', model, nn.Module, 'a torch.nn.Module')
         hyperparameters = Hyperparameters(
@@ -285,11 +270,17 @@ class KFACPreconditioner(BaseKFACPreconditioner):
             kl_clip_rule=kl_clip_rule,
             basis_refresh=basis_refresh,
             compile_arithmetic=compile_arithmetic,
+            position_sample=position_sample,
+            position_sample_seed=position_sample_seed,
         )
         check_model(_unwrap(model))
         self.config = config
         self.model = model
-        self.registration = self._register(model, config)
+        key = SampleKey(
+            lambda: (self.options.position_sample_seed, self._steps)
+        )
+        key.rank = get_rank()
+        self.registration = self._register(model, config, key)
         modules = dict(_unwrap(model).named_modules())
         self._frozen = {
             entry.name: modules[entry.name].weight
@@ -326,6 +317,7 @@ class KFACPreconditioner(BaseKFACPreconditioner):
                 shard_mode=config.shard_mode,
                 kl_clip_rule=config.kl_clip_rule,
                 compile_arithmetic=config.compile_arithmetic,
+                position_sample_seed=config.position_sample_seed,
             ),
             grad_scaler=grad_scaler,
             communicator=TorchDistributedCommunicator(
@@ -342,7 +334,9 @@ class KFACPreconditioner(BaseKFACPreconditioner):
         logger.log(config.loglevel, 'K-FAC: %s; %s', config, assignment)
 
     @staticmethod
-    def _register(model: nn.Module, config: KFACConfig) -> Registration:
+    def _register(
+        model: nn.Module, config: KFACConfig, key: SampleKey
+    ) -> Registration:
         convert_attention(_unwrap(model))
         registration = register_model(
             _unwrap(model),
@@ -351,8 +345,10 @@ class KFACPreconditioner(BaseKFACPreconditioner):
                 batch_first=config.batch_first,
                 kfac_approx=config.kfac_approx,
                 max_factor_dim=config.max_factor_dim,
+                position_sample=config.position_sample,
             ),
             module_options=config.module_options,
+            sample_key=key,
         )
         if not registration.helpers:
             raise ValueError(

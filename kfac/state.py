@@ -9,10 +9,11 @@ dicts, so `torch.load(path, weights_only=True)` reads it:
 
 ```python
 {
-    'version': 3,
+    'version': 4,
     'steps': int,
     'hyperparameters': {name: value},   # the non-callable ones
-    'options': {'kl_clip_rule': 'kl' or 'relative'},
+    'options': {'kl_clip_rule': 'kl' or 'relative',
+                'position_sample_seed': int},
     'layers': {module name: {'A': tensor, 'G': tensor}},  # (n, n) or (n,)
     # a tied layer: {'<use>:A': ..., '<use>:G': ...} per use instead
     # an EKFAC layer: also 'S', its scaling, shaped like the gradient
@@ -45,10 +46,10 @@ import torch
 
 from kfac.math import KL_CLIP_RULES
 
-STATE_VERSION = 3
+STATE_VERSION = 4
 """The format version written by this version of kfac."""
 
-READABLE_VERSIONS = (1, 2, 3)
+READABLE_VERSIONS = (1, 2, 3, 4)
 """The format versions this version of kfac loads. Version 2 adds the
 per-use factors of a weight tied in transposed roles (`'<module>:A'`,
 `'<module>:G'`, see [`kfac.layers.tied`][kfac.layers.tied]); version 3
@@ -57,7 +58,9 @@ layer's entries (see [`kfac.layers.ekfac`][kfac.layers.ekfac]). An older
 state is a newer one without what was added, loaded as it is: a state
 without `'options'` loads with `kl_clip_rule='kl'`, the only rule before
 version 3, and an EKFAC layer without `'S'` starts its scaling afresh at
-its next factor update."""
+its next factor update. Version 4 adds `'position_sample_seed'` to
+`'options'` (see [`kfac.layers.sampling`][kfac.layers.sampling]); a state
+without it keeps the loading preconditioner's seed."""
 
 FACTOR_KEYS = ('A', 'G')
 """The factor entries of a layer."""
@@ -85,7 +88,7 @@ class StateDict(_RequiredEntries, total=False):
     `options` always written from version 3 on).
     """
 
-    options: dict[str, str]
+    options: dict[str, str | int]
 
     decompositions: dict[str, DecompositionEntry]
 
@@ -124,9 +127,9 @@ class SavedState:
     """The hyperparameters that are constants, by name."""
     layers: Mapping[str, SavedLayer]
     """Per layer, by module name."""
-    options: Mapping[str, str] = dataclasses.field(default_factory=dict)
-    """The engine's saved options (`kl_clip_rule`); empty before version
-    3."""
+    options: Mapping[str, str | int] = dataclasses.field(default_factory=dict)
+    """The engine's saved options (`kl_clip_rule`, `position_sample_seed`
+    from version 4); empty before version 3."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -327,19 +330,35 @@ def parse_state(
     )
 
 
-def _options(options: object) -> dict[str, str]:
+SEED_LIMIT = 2**31 - 1
+"""Saved `position_sample_seed`s are below this (the modulus `P` of
+[`kfac.layers.sampling`][kfac.layers.sampling])."""
+
+
+def _options(options: object) -> dict[str, str | int]:
     """The saved engine options, checked."""
     if not isinstance(options, Mapping) or not all(
-        isinstance(k, str) and isinstance(v, str) for k, v in options.items()
+        isinstance(k, str) and isinstance(v, (str, int))
+        for k, v in options.items()
     ):
         raise TypeError(
-            "state_dict entry 'options' must map names to strings; got "
-            f'{options!r}',
+            "state_dict entry 'options' must map names to strings or ints; "
+            f'got {options!r}',
         )
     rule = options.get('kl_clip_rule', 'kl')
     if rule not in KL_CLIP_RULES:
         raise ValueError(
             "state_dict entry 'options' has kl_clip_rule "
             f'{rule!r}; allowed: {", ".join(KL_CLIP_RULES)}',
+        )
+    seed = options.get('position_sample_seed', 0)
+    if (
+        isinstance(seed, bool)
+        or not isinstance(seed, int)
+        or not 0 <= seed < SEED_LIMIT
+    ):
+        raise ValueError(
+            "state_dict entry 'options' has position_sample_seed "
+            f'{seed!r}; allowed: an int in [0, 2**31 - 1)',
         )
     return dict(options)

@@ -1,7 +1,7 @@
 """Per-module options: one model-wide value, overrides by name or type.
 
-Every per-module option (`batch_first`, `kfac_approx`, `max_factor_dim`) has
-a model-wide value,
+Every per-module option (`batch_first`, `kfac_approx`, `max_factor_dim`,
+`position_sample`) has a model-wide value,
 a keyword argument of the preconditioner. `module_options` overrides it for the
 modules it selects: `{pattern: {option: value}}`, where a pattern is a regular
 expression searched (`re.search`) in a module's dotted name and in its class
@@ -29,6 +29,7 @@ from typing import Any
 
 from torch import nn
 
+from kfac.layers.sampling import check_position_sample
 from kfac.validation import check_bool
 from kfac.validation import check_choice
 from kfac.validation import type_error
@@ -72,11 +73,20 @@ class ModuleOptions:
     (see [`kfac.layers.blocks`][kfac.layers.blocks]). None: no limit. A
     diagonal factor (an embedding's `A`) is never split."""
 
+    position_sample: int | float | None = None
+    """Form `A` and `G` from a sample of each example's weight-sharing
+    positions: an int `k` (that many positions, all if fewer) or a float
+    `f` in `(0, 1]` (`⌈f T⌉` of the `T` positions); None: every position.
+    Unbiased for the *expand* factors; Linear layers and convolutions
+    under `kfac_approx='expand'` only (see
+    [`kfac.layers.sampling`][kfac.layers.sampling])."""
+
     def __post_init__(self) -> None:
         check_bool('batch_first', self.batch_first)
         check_choice('kfac_approx', self.kfac_approx, KFAC_APPROXIMATIONS)
         if self.max_factor_dim is not None:
             validate_int('max_factor_dim', self.max_factor_dim)
+        check_position_sample(self.position_sample)
 
 
 OPTION_NAMES = tuple(f.name for f in dataclasses.fields(ModuleOptions))
