@@ -66,6 +66,7 @@ def test_resolution_order_and_sources() -> None:
             'batch_first': 'inherited from enc',
             'kfac_approx': 'model',
             'max_factor_dim': 'model',
+            'position_sample': 'model',
         },
     )
     assert resolved['head'] == (
@@ -74,6 +75,7 @@ def test_resolution_order_and_sources() -> None:
             'batch_first': "module_options['head|tail']",
             'kfac_approx': 'model',
             'max_factor_dim': 'model',
+            'position_sample': 'model',
         },
     )
     assert resolved['tail'][0] == ModuleOptions(batch_first=True)  # last wins
@@ -81,6 +83,7 @@ def test_resolution_order_and_sources() -> None:
         'batch_first': 'model',
         'kfac_approx': 'model',
         'max_factor_dim': 'model',
+        'position_sample': 'model',
     }
 
 
