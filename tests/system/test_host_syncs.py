@@ -279,7 +279,9 @@ def test_sampled_positions_add_no_device_syncs(device: torch.device) -> None:
         model = TokenMLP().to(device)
         precon = KFACPreconditioner(model, position_sample=sample)
 
-        def one_step() -> None:
+        def one_step(
+            model: nn.Module = model, precon: KFACPreconditioner = precon
+        ) -> None:
             F.cross_entropy(model(x), y).backward()
             precon.step()
 
