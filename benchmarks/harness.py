@@ -39,6 +39,8 @@ __all__ = [
     'CONFIGS',
     'LR',
     'REDUCE_CONFIGS',
+    'SAMPLE',
+    'SAMPLE_CONFIGS',
     'Config',
     'Runner',
     'Sample',
@@ -57,7 +59,8 @@ class Config:
 
     ``compile_mode`` (a ``torch.compile`` mode, ``'default'`` for its
     default) trains the compiled model, K-FAC built on it;
-    ``arithmetic`` passes ``compile_arithmetic=True``.
+    ``arithmetic`` passes ``compile_arithmetic=True``; ``sample`` is
+    ``position_sample``.
     """
 
     name: str
@@ -67,6 +70,14 @@ class Config:
     approx: str = 'expand'
     compile_mode: str | None = None
     arithmetic: bool = False
+    sample: float | None = None
+
+    @property
+    def statistics(self) -> str:
+        """How the factor statistics are formed: ``approx``, or
+        ``'sample'`` with sampled positions (the floors' layer shapes).
+        """
+        return self.approx if self.sample is None else 'sample'
 
 
 CONFIGS = (
@@ -85,12 +96,24 @@ REDUCE_CONFIGS = tuple(
 )
 
 
+#: ``position_sample`` of the sampled configurations: a quarter of each
+#: example's positions.
+SAMPLE = 0.25
+#: EIGEN with factor statistics on :data:`SAMPLE` of the positions, for
+#: models whose layers share weights across positions.
+SAMPLE_CONFIGS = (
+    Config('eigen 1/1 sample', 'eigen', 1, 1, sample=SAMPLE),
+    Config('eigen 10/100 sample', 'eigen', 10, 100, sample=SAMPLE),
+)
+
+
 def configs_for(bench: Bench) -> tuple[Config, ...]:
-    """:data:`CONFIGS`, plus :data:`REDUCE_CONFIGS` when ``bench``
-    benchmarks reduce.
+    """:data:`CONFIGS`, plus :data:`REDUCE_CONFIGS` and
+    :data:`SAMPLE_CONFIGS` when ``bench`` benchmarks reduce (its layers
+    share weights across positions).
     """
     if 'reduce' in bench.approximations:
-        return CONFIGS + REDUCE_CONFIGS
+        return CONFIGS + REDUCE_CONFIGS + SAMPLE_CONFIGS
     return CONFIGS
 
 
@@ -160,6 +183,7 @@ class Runner:
                 skip_layers=bench.skip_layers,
                 kfac_approx=config.approx,
                 compile_arithmetic=config.arithmetic,
+                position_sample=config.sample,
                 **bench.kfac_options,
             )
             self.preconditioner.timer = self.timer

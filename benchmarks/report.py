@@ -168,13 +168,13 @@ def _ratio(configs: Mapping[str, Any], name: str, key: str) -> str:
 
 
 def summary_table(result: Mapping[str, Any]) -> str:
-    """Per model and ``kfac_approx``: the 10/100 ratios to SGD, their
-    floors, and the worst phase/floor.
+    """Per model and ``kfac_approx`` (and sampled positions): the 10/100
+    ratios to SGD, their floors, and the worst phase/floor.
     """
     rows = []
     for model, data in result['models'].items():
         configs = data['configs']
-        for suffix in ('', ' reduce'):
+        for suffix in ('', ' reduce', ' sample'):
             eigen, inverse = f'eigen 10/100{suffix}', f'inverse 10/100{suffix}'
             if eigen not in configs:
                 continue
