@@ -42,7 +42,6 @@ data's device and reads nothing back to the host.
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from collections.abc import Callable
 
@@ -146,15 +145,52 @@ def draw_positions(
     return drawn.sort(dim=1).values
 
 
-@dataclasses.dataclass
 class SampleKey:
-    """Where draws read their key: `source()` gives `(seed, step)` when a
-    statistic is computed, and `rank` is this process's data-parallel rank
-    (see the module docstring for the global example index).
+    """Where draws read their key, shared by a model's samplers.
+
+    Args:
+        source: gives `(seed, step)` when a statistic is computed.
+        rank: this process's data-parallel rank (see the module docstring
+            for the global example index).
+
+    The draws of the current `(seed, step)` are kept: every layer with the
+    same examples and positions (and the `A` and `G` of one call) uses the
+    same positions, drawn once per step.
     """
 
-    source: Callable[[], tuple[int, int]] = lambda: (0, 0)
-    rank: int = 0
+    def __init__(
+        self,
+        source: Callable[[], tuple[int, int]] = lambda: (0, 0),
+        rank: int = 0,
+    ) -> None:
+        self.source = source
+        self.rank = rank
+        self._drawn: dict[tuple[object, ...], torch.Tensor] = {}
+        self._at: tuple[int, int] | None = None
+
+    def positions(
+        self,
+        first: int,
+        count: int,
+        positions: int,
+        k: int,
+        device: torch.device,
+    ) -> torch.Tensor:
+        """`(count, k)` drawn positions of the examples of global indices
+        `first` to `first + count` (see
+        [`draw_positions`][kfac.layers.sampling.draw_positions]).
+        """
+        at = self.source()
+        if at != self._at:
+            self._drawn.clear()
+            self._at = at
+        key = (first, count, positions, k, device)
+        drawn = self._drawn.get(key)
+        if drawn is None:
+            indices = torch.arange(first, first + count, device=device)
+            drawn = draw_positions(*at, indices, positions, k)
+            self._drawn[key] = drawn
+        return drawn
 
 
 class PositionSampler:
@@ -200,11 +236,9 @@ class PositionSampler:
         k = sample_size(self.option, positions)
         if k == positions:
             return rows, 1.0
-        seed, step = self.key.source()
         n = rows.shape[examples]
         base = self.key.rank * batch + first
-        indices = torch.arange(base, base + n, device=rows.device)
-        drawn = draw_positions(seed, step, indices, positions, k)
+        drawn = self.key.positions(base, n, positions, k, rows.device)
         view = [1] * rows.dim()
         view[examples], view[dim] = n, k
         size = list(rows.shape)
