@@ -3,7 +3,7 @@
 `import kfac.layers` imports its submodules (`attention`, `base`, `blocks`,
 `conv`, `decomposition`, `eigen`, `ekfac`, `embedding`, `examples`,
 `factor`, `helper`, `inverse`, `modules`, `options`, `register`,
-`statistics`, `tied`).
+`sampling`, `statistics`, `tied`).
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from kfac.layers import inverse
 from kfac.layers import modules
 from kfac.layers import options
 from kfac.layers import register
+from kfac.layers import sampling
 from kfac.layers import statistics
 from kfac.layers import tied
 from kfac.layers.base import KFACBaseLayer
@@ -50,6 +51,7 @@ __all__ = [
     'modules',
     'options',
     'register',
+    'sampling',
     'statistics',
     'tied',
 ]
