@@ -239,6 +239,14 @@ class PositionSampler:
         n = rows.shape[examples]
         base = self.key.rank * batch + first
         drawn = self.key.positions(base, n, positions, k, rows.device)
+        if dim == examples + 1:  # whole rows: one index_select
+            flat = (
+                drawn
+                + torch.arange(n, device=rows.device)[:, None] * positions
+            )
+            merged = rows.flatten(examples, dim)
+            chosen = merged.index_select(examples, flat.reshape(-1))
+            return chosen.unflatten(examples, (n, k)), positions / k
         view = [1] * rows.dim()
         view[examples], view[dim] = n, k
         size = list(rows.shape)
