@@ -49,7 +49,10 @@ Layers of today's models, in the same terms:
   averaged and output gradients summed over the ``T`` positions of each
   example first, so ``R = N`` (the averaging is a pass over the input and
   output gradient, already in the bytes). A convolution under reduce
-  likewise has ``R = N``.
+  likewise has ``R = N``. **sampled positions** (``position_sample``,
+  expand): ``R = N k`` with ``k`` the positions drawn per example
+  (:func:`kfac.layers.sampling.sample_size`); drawing them is a few integer
+  operations per position, outside the count.
 * **Attention projections**: ``nn.MultiheadAttention`` is converted as the
   preconditioner converts it (:func:`kfac.layers.attention.convert_attention`)
   and its q, k, v and ``out_proj`` projections are Linear layers of
@@ -92,6 +95,7 @@ from torch import nn
 
 from kfac.layers.attention import AttentionProjection
 from kfac.layers.attention import convert_attention
+from kfac.layers.sampling import sample_size
 
 __all__ = [
     'EIGH_FLOPS_PER_N3',
@@ -264,6 +268,7 @@ def layer_shapes(
     *,
     kfac_approx: str = 'expand',
     skip_types: Iterable[str] = (),
+    position_sample: float | None = None,
 ) -> list[LayerShape]:
     """Shapes of the layers K-FAC preconditions, in ``named_modules`` order.
 
@@ -275,7 +280,9 @@ def layer_shapes(
     weight with a module of another type (see the module docstring). With
     ``inputs``, one forward pass (without gradients) records each layer's
     rows and tensor sizes; under ``kfac_approx='reduce'`` a Linear or
-    convolution has one row per example (embeddings stay at expand).
+    convolution has one row per example (embeddings stay at expand), with
+    ``position_sample`` (expand) ``k`` rows per example of ``T``
+    positions.
     """
     if kfac_approx not in ('expand', 'reduce'):
         raise ValueError(
@@ -307,8 +314,11 @@ def layer_shapes(
         outputs = shapes[name].g_dim if name in shapes else out.shape[-1]
         rows = out.numel() // outputs
         diagonal = isinstance(modules[name], nn.Embedding)
+        examples = out.shape[0] if out.dim() > 1 else 1
         if kfac_approx == 'reduce' and not diagonal:
-            rows = out.shape[0] if out.dim() > 1 else 1
+            rows = examples
+        elif position_sample is not None and not diagonal:
+            rows = examples * sample_size(position_sample, rows // examples)
         sizes[name] = (rows, args[0].numel(), out.numel())
 
     recorded = [*shapes, *(h for h in heads if heads[h] in shapes)]

@@ -40,6 +40,8 @@ __all__ = [
     'LR',
     'RANK_CONFIGS',
     'REDUCE_CONFIGS',
+    'SAMPLE',
+    'SAMPLE_CONFIGS',
     'Config',
     'Runner',
     'Sample',
@@ -60,7 +62,8 @@ class Config:
     default) trains the compiled model, K-FAC built on it;
     ``arithmetic`` passes ``compile_arithmetic=True``; ``fisher`` is
     ``fisher_type`` (``'mc'``: ``sample_fisher`` before each backward pass,
-    one extra backward pass on each factor-update step).
+    one extra backward pass on each factor-update step); ``rank`` is
+    ``factor_rank``; ``sample`` is ``position_sample``.
     """
 
     name: str
@@ -72,6 +75,14 @@ class Config:
     arithmetic: bool = False
     fisher: str = 'empirical'
     rank: int | None = None
+    sample: float | None = None
+
+    @property
+    def statistics(self) -> str:
+        """How the factor statistics are formed: ``approx``, or
+        ``'sample'`` with sampled positions (the floors' layer shapes).
+        """
+        return self.approx if self.sample is None else 'sample'
 
 
 CONFIGS = (
@@ -97,14 +108,26 @@ RANK_CONFIGS = tuple(
 )
 
 
+#: ``position_sample`` of the sampled configurations: a quarter of each
+#: example's positions.
+SAMPLE = 0.25
+#: EIGEN with factor statistics on :data:`SAMPLE` of the positions, for
+#: models whose layers share weights across positions.
+SAMPLE_CONFIGS = (
+    Config('eigen 1/1 sample', 'eigen', 1, 1, sample=SAMPLE),
+    Config('eigen 10/100 sample', 'eigen', 10, 100, sample=SAMPLE),
+)
+
+
 def configs_for(bench: Bench) -> tuple[Config, ...]:
-    """:data:`CONFIGS`, plus :data:`REDUCE_CONFIGS` when ``bench``
-    benchmarks reduce and :data:`RANK_CONFIGS` when it benchmarks
-    ``factor_rank``.
+    """:data:`CONFIGS`, plus :data:`REDUCE_CONFIGS` and
+    :data:`SAMPLE_CONFIGS` when ``bench`` benchmarks reduce (its layers
+    share weights across positions) and :data:`RANK_CONFIGS` when it
+    benchmarks ``factor_rank``.
     """
     found: tuple[Config, ...] = CONFIGS
     if 'reduce' in bench.approximations:
-        found += REDUCE_CONFIGS
+        found += REDUCE_CONFIGS + SAMPLE_CONFIGS
     if bench.low_rank:
         found += RANK_CONFIGS
     return found
@@ -178,6 +201,7 @@ class Runner:
                 compile_arithmetic=config.arithmetic,
                 fisher_type=config.fisher,
                 factor_rank=config.rank,
+                position_sample=config.sample,
                 **bench.kfac_options,
             )
             self.preconditioner.timer = self.timer

@@ -171,14 +171,14 @@ _LABELS = {'': 'expand', ' reduce': 'reduce', ' rank64': 'factor_rank=64'}
 
 
 def summary_table(result: Mapping[str, Any]) -> str:
-    """Per model and ``kfac_approx`` (and ``factor_rank=64`` where
-    benchmarked): the 10/100 ratios to SGD, their floors, and the worst
-    phase/floor.
+    """Per model and ``kfac_approx`` (and ``factor_rank=64`` and sampled
+    positions where benchmarked): the 10/100 ratios to SGD, their floors,
+    and the worst phase/floor.
     """
     rows = []
     for model, data in result['models'].items():
         configs = data['configs']
-        for suffix in ('', ' reduce', ' rank64'):
+        for suffix in ('', ' reduce', ' rank64', ' sample'):
             eigen, inverse = f'eigen 10/100{suffix}', f'inverse 10/100{suffix}'
             if eigen not in configs:
                 continue

@@ -64,16 +64,18 @@ def run_model(
 
     """
     bench = build(name)
+    configs = configs_for(bench)
+    kinds = {config.statistics: config for config in configs}
     shapes = {
-        approx: layer_shapes(
+        kind: layer_shapes(
             bench.model,
             bench.inputs[0],
-            kfac_approx=approx,
+            kfac_approx=config.approx,
             skip_types=bench.skip_layers,
+            position_sample=config.sample,
         )
-        for approx in bench.approximations
+        for kind, config in kinds.items()
     }
-    configs = configs_for(bench)
     Runner(bench, configs[0], device).step(record=False)  # process warm-up
     runners = [Runner(bench, config, device) for config in configs]
     memory = [peak_memory(runner, 1) for runner in runners]
@@ -132,7 +134,7 @@ def _fi_fallbacks(runners: list[Runner]) -> Fallbacks:
             continue
         method = (
             runner.config.method,
-            runner.config.approx,
+            runner.config.statistics,
             runner.config.rank,
         )
         if medians['n'] > found.get(method, {}).get('n', 0.0):
@@ -148,7 +150,7 @@ def summarise(
     full_cycle: bool,
 ) -> dict[str, Any]:
     """Per configuration: step statistics, amortised ratio to SGD, phases
-    against their floors (``shapes`` per ``kfac_approx``).
+    against their floors (``shapes`` per ``Config.statistics``).
     """
     sgd = next(r for r in runners if r.config.method is None)
     sgd_times = [s.seconds for s in sgd.samples]
@@ -167,7 +169,7 @@ def summarise(
             entry.update(
                 _kfac(
                     runner,
-                    shapes[runner.config.approx],
+                    shapes[runner.config.statistics],
                     rates,
                     base,
                     fallbacks,
@@ -190,7 +192,7 @@ def _kfac(
     assert config.method is not None
     medians = kind_medians(runner.samples)
     paired = paired_ratios(runner.samples, sgd_times)
-    key = (config.method, config.approx, config.rank)
+    key = (config.method, config.statistics, config.rank)
     if 'fi' not in medians and key in fallbacks:
         medians['fi'] = fallbacks[key]
         paired['fi'] = fallbacks[key]['paired_ratio']

@@ -13,7 +13,6 @@ builds it all from a model and keyword arguments.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import logging
 from collections.abc import Iterable
 from collections.abc import Mapping
@@ -275,7 +274,7 @@ class BaseKFACPreconditioner:
             self._steps,
             self.hyperparameters.constants(),
             self._layers,
-            options={'kl_clip_rule': self.options.kl_clip_rule},
+            options=self.options.saved(),
             include_decompositions=include_decompositions,
         )
 
@@ -307,10 +306,7 @@ class BaseKFACPreconditioner:
         self._values = None
         self._steps = saved.steps
         self._capture.refresh()
-        self.options = dataclasses.replace(
-            self.options,
-            kl_clip_rule=saved.options.get('kl_clip_rule', 'kl'),
-        )
+        self.options = self.options.restored(saved.options)
         self._decomposed = set(restored)
         self._update_decompositions(self.damping, recompute)
 

@@ -35,6 +35,9 @@ from kfac.layers.options import check_module_options
 from kfac.layers.register import Registration
 from kfac.layers.register import compile_patterns
 from kfac.layers.register import register_model
+from kfac.layers.sampling import SampleKey
+from kfac.layers.sampling import check_position_sample
+from kfac.layers.sampling import check_seed
 from kfac.layers.statistics import check_loss_average
 from kfac.math import KL_CLIP_RULES
 from kfac.math.fisher import FISHER_TYPES
@@ -116,6 +119,8 @@ class KFACConfig:
     mc_seed: int = 0
     factor_rank: int | None = None
     damping_mode: str = 'absolute'
+    position_sample: int | float | None = None
+    position_sample_seed: int = 0
 
     def __post_init__(self) -> None:
         checked = {
@@ -173,6 +178,8 @@ class KFACConfig:
             'damping_mode': check_choice(
                 'damping_mode', self.damping_mode, DAMPING_MODES
             ),
+            'position_sample': check_position_sample(self.position_sample),
+            'position_sample_seed': check_seed(self.position_sample_seed),
             'module_options': {
                 pattern: dict(options)
                 for pattern, options in check_module_options(
@@ -220,8 +227,11 @@ class KFACConfig:
             )
         _check_mc(self)
 
-    def register(self, model: nn.Module) -> Registration:
-        """Register the modules of `model` (unwrapped) under these options.
+    def register(
+        self, model: nn.Module, sample_key: SampleKey | None = None
+    ) -> Registration:
+        """Register the modules of `model` (unwrapped) under these options;
+        `sample_key` keys the draws of `position_sample`.
 
         Raises:
             ValueError: no module can be preconditioned.
@@ -235,8 +245,10 @@ class KFACConfig:
                 kfac_approx=self.kfac_approx,
                 max_factor_dim=self.max_factor_dim,
                 factor_rank=self.factor_rank,
+                position_sample=self.position_sample,
             ),
             module_options=self.module_options,
+            sample_key=sample_key,
         )
         if not registration.helpers:
             raise ValueError(
@@ -246,6 +258,18 @@ class KFACConfig:
                 'does not exclude (see describe() for the reasons)',
             )
         return registration
+
+    def engine_options(self) -> EngineOptions:
+        """The options of the engine's step these settings imply."""
+        return EngineOptions(
+            accumulation_steps=self.accumulation_steps,
+            update_factors_in_hook=self.update_factors_in_hook,
+            bucketed=self.allreduce_bucket_cap_mb > 0,
+            shard_mode=self.shard_mode,
+            kl_clip_rule=self.kl_clip_rule,
+            compile_arithmetic=self.compile_arithmetic,
+            position_sample_seed=self.position_sample_seed,
+        )
 
     def make_layer(
         self, name: str, helper: ModuleHelper, options: ModuleOptions
@@ -307,6 +331,9 @@ class EngineOptions:
         compile_arithmetic: fold each factor's batch into its running
             average with one kernel compiled by `torch.compile` (see
             [`KroneckerFactor.update`][kfac.layers.factor.KroneckerFactor.update]).
+        position_sample_seed: the seed of the positions drawn for
+            `position_sample` (see
+            [`kfac.layers.sampling`][kfac.layers.sampling]).
 
     Raises:
         TypeError: a field has the wrong type.
@@ -319,6 +346,7 @@ class EngineOptions:
     shard_mode: str = 'lossless'
     kl_clip_rule: str = 'kl'
     compile_arithmetic: bool = False
+    position_sample_seed: int = 0
 
     def __post_init__(self) -> None:
         validate_int('accumulation_steps', self.accumulation_steps)
@@ -327,3 +355,26 @@ class EngineOptions:
         check_choice('shard_mode', self.shard_mode, SHARD_MODES)
         check_choice('kl_clip_rule', self.kl_clip_rule, KL_CLIP_RULES)
         check_bool('compile_arithmetic', self.compile_arithmetic)
+        check_seed(self.position_sample_seed)
+
+    def saved(self) -> dict[str, str | int]:
+        """The options a `state_dict()` keeps: `kl_clip_rule` and
+        `position_sample_seed`.
+        """
+        return {
+            'kl_clip_rule': self.kl_clip_rule,
+            'position_sample_seed': self.position_sample_seed,
+        }
+
+    def restored(self, saved: Mapping[str, str | int]) -> EngineOptions:
+        """These options with the saved ones of a (parsed) state; a state
+        without them has `kl_clip_rule='kl'` (the only rule before format
+        3) and keeps this `position_sample_seed` (none before format 4).
+        """
+        return dataclasses.replace(
+            self,
+            kl_clip_rule=str(saved.get('kl_clip_rule', 'kl')),
+            position_sample_seed=int(
+                saved.get('position_sample_seed', self.position_sample_seed)
+            ),
+        )

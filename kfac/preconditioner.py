@@ -21,7 +21,6 @@ from kfac.assignment import KAISAAssignment
 from kfac.assignment import decomposition_work
 from kfac.base_preconditioner import BaseKFACPreconditioner
 from kfac.base_preconditioner import GradScalerLike
-from kfac.config import EngineOptions
 from kfac.config import FractionLike
 from kfac.config import KFACConfig
 from kfac.distributed import TorchDistributedCommunicator
@@ -35,8 +34,9 @@ from kfac.hyperparams import OptimizerLike
 from kfac.hyperparams import OptimizerLR
 from kfac.hyperparams import check_optimizers
 from kfac.layers.options import DEFAULT_MAX_FACTOR_DIM
+from kfac.layers.sampling import SampleKey
+from kfac.math.fisher import parse_fisher
 from kfac.state import StateDict
-from kfac.state import parse_fisher
 from kfac.validation import check_instance
 
 __all__ = ['FractionLike', 'KFACConfig', 'KFACPreconditioner']
@@ -119,7 +119,7 @@ class KFACPreconditioner(BaseKFACPreconditioner):
             [`kfac.math.lowrank`][kfac.math.lowrank]); None: whole.
         module_options: per-module overrides of the options above that are
             per module (`batch_first`, `kfac_approx`, `max_factor_dim`,
-            `factor_rank`):
+            `factor_rank`, `position_sample`):
             `{pattern: {option: value}}`, a pattern selecting modules by
             dotted name or class name.
         shard_mode: how gradients of a model sharded with FSDP2
@@ -163,6 +163,11 @@ class KFACPreconditioner(BaseKFACPreconditioner):
         damping_mode: `'absolute'` (`λ` as given) or `'relative'` (`λ`
             times each layer's mean eigenvalue of `A ⊗ G`, so one value
             suits layers and models of any scale; EIGEN and INVERSE).
+        position_sample: form `A` and `G` from a sample of each example's
+            weight-sharing positions: an int (positions per example) or a
+            float in (0, 1] (a fraction of them); None: all. Unbiased; see
+            [`kfac.layers.sampling`][kfac.layers.sampling].
+        position_sample_seed: the seed of those draws (saved in the state).
 
     Every hyperparameter (`factor_update_steps` to `lr`) may also be a
     callable `step -> value`.
@@ -208,6 +213,8 @@ class KFACPreconditioner(BaseKFACPreconditioner):
         mc_seed: int = 0,
         factor_rank: int | None = None,
         damping_mode: str = 'absolute',
+        position_sample: int | float | None = None,
+        position_sample_seed: int = 0,
     ) -> None:
         check_instance('model', model, nn.Module, 'a torch.nn.Module')
         hyperparameters = Hyperparameters(
@@ -252,11 +259,15 @@ class KFACPreconditioner(BaseKFACPreconditioner):
             mc_seed=mc_seed,
             factor_rank=factor_rank,
             damping_mode=damping_mode,
+            position_sample=position_sample,
+            position_sample_seed=position_sample_seed,
         )
         check_model(unwrap(model))
         self.config = config
         self.model = model
-        self.registration = config.register(unwrap(model))
+        key = SampleKey(rank=get_rank())
+        key.source = lambda: (self.options.position_sample_seed, self._steps)
+        self.registration = config.register(unwrap(model), key)
         modules = dict(unwrap(model).named_modules())
         self._frozen = {
             entry.name: modules[entry.name].weight
@@ -288,14 +299,7 @@ class KFACPreconditioner(BaseKFACPreconditioner):
             layers,
             assignment=assignment,
             hyperparameters=hyperparameters,
-            options=EngineOptions(
-                accumulation_steps=config.accumulation_steps,
-                update_factors_in_hook=config.update_factors_in_hook,
-                bucketed=config.allreduce_bucket_cap_mb > 0,
-                shard_mode=config.shard_mode,
-                kl_clip_rule=config.kl_clip_rule,
-                compile_arithmetic=config.compile_arithmetic,
-            ),
+            options=config.engine_options(),
             grad_scaler=grad_scaler,
             communicator=TorchDistributedCommunicator(
                 bucket_cap_mb=config.allreduce_bucket_cap_mb,

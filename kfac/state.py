@@ -12,7 +12,8 @@ dicts, so `torch.load(path, weights_only=True)` reads it:
     'version': 4,
     'steps': int,
     'hyperparameters': {name: value},   # the non-callable ones
-    'options': {'kl_clip_rule': 'kl' or 'relative'},
+    'options': {'kl_clip_rule': 'kl' or 'relative',
+                'position_sample_seed': int},
     'layers': {module name: {'A': tensor, 'G': tensor}},  # (n, n) or (n,)
     # a tied layer: {'<use>:A': ..., '<use>:G': ...} per use instead
     # an EKFAC layer: also 'S', its scaling, shaped like the gradient
@@ -51,7 +52,7 @@ from typing import TypedDict
 import torch
 
 from kfac.math import KL_CLIP_RULES
-from kfac.math.fisher import FISHER_TYPES
+from kfac.math.fisher import FisherState
 
 STATE_VERSION = 4
 """The format version written by this version of kfac."""
@@ -66,8 +67,9 @@ state is a newer one without what was added, loaded as it is: a state
 without `'options'` loads with `kl_clip_rule='kl'`, the only rule before
 version 3, and an EKFAC layer without `'S'` starts its scaling afresh at
 its next factor update. Version 4 adds `'fisher'` (the Monte Carlo
-Fisher's seed); a state without it keeps the loading preconditioner's
-`mc_seed`."""
+Fisher's seed) and `'position_sample_seed'` to `'options'` (see
+[`kfac.layers.sampling`][kfac.layers.sampling]); a state without either
+keeps the loading preconditioner's seed."""
 
 FACTOR_KEYS = ('A', 'G')
 """The factor entries of a layer."""
@@ -83,14 +85,6 @@ class DecompositionEntry(TypedDict):
     G: list[torch.Tensor]
 
 
-class FisherState(TypedDict):
-    """The Monte Carlo Fisher's settings."""
-
-    fisher_type: str
-    mc_samples: int
-    mc_seed: int
-
-
 class _RequiredEntries(TypedDict):
     version: int
     steps: int
@@ -103,7 +97,7 @@ class StateDict(_RequiredEntries, total=False):
     `options` always written from version 3 on).
     """
 
-    options: dict[str, str]
+    options: dict[str, str | int]
 
     decompositions: dict[str, DecompositionEntry]
 
@@ -144,9 +138,9 @@ class SavedState:
     """The hyperparameters that are constants, by name."""
     layers: Mapping[str, SavedLayer]
     """Per layer, by module name."""
-    options: Mapping[str, str] = dataclasses.field(default_factory=dict)
-    """The engine's saved options (`kl_clip_rule`); empty before version
-    3."""
+    options: Mapping[str, str | int] = dataclasses.field(default_factory=dict)
+    """The engine's saved options (`kl_clip_rule`, `position_sample_seed`
+    from version 4); empty before version 3."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -347,14 +341,20 @@ def parse_state(
     )
 
 
-def _options(options: object) -> dict[str, str]:
+SEED_LIMIT = 2**31 - 1
+"""Saved `position_sample_seed`s are below this (the modulus `P` of
+[`kfac.layers.sampling`][kfac.layers.sampling])."""
+
+
+def _options(options: object) -> dict[str, str | int]:
     """The saved engine options, checked."""
     if not isinstance(options, Mapping) or not all(
-        isinstance(k, str) and isinstance(v, str) for k, v in options.items()
+        isinstance(k, str) and isinstance(v, (str, int))
+        for k, v in options.items()
     ):
         raise TypeError(
-            "state_dict entry 'options' must map names to strings; got "
-            f'{options!r}',
+            "state_dict entry 'options' must map names to strings or ints; "
+            f'got {options!r}',
         )
     rule = options.get('kl_clip_rule', 'kl')
     if rule not in KL_CLIP_RULES:
@@ -362,34 +362,14 @@ def _options(options: object) -> dict[str, str]:
             "state_dict entry 'options' has kl_clip_rule "
             f'{rule!r}; allowed: {", ".join(KL_CLIP_RULES)}',
         )
-    return dict(options)
-
-
-def parse_fisher(state: object) -> FisherState | None:
-    """The `'fisher'` entry of `state`, checked; None if it has none (or
-    `state` is no mapping, which `parse_state` refuses).
-
-    Raises:
-        ValueError: the entry is malformed.
-    """
-    entry = state.get('fisher') if isinstance(state, Mapping) else None
-    if entry is None:
-        return None
-    if not (
-        isinstance(entry, Mapping)
-        and entry.get('fisher_type') in FISHER_TYPES
-        and all(
-            type(entry.get(key)) is int and entry[key] >= low
-            for key, low in (('mc_samples', 1), ('mc_seed', 0))
-        )
+    seed = options.get('position_sample_seed', 0)
+    if (
+        isinstance(seed, bool)
+        or not isinstance(seed, int)
+        or not 0 <= seed < SEED_LIMIT
     ):
         raise ValueError(
-            "state_dict entry 'fisher' must be {'fisher_type': one of "
-            f"{FISHER_TYPES}, 'mc_samples': int >= 1, 'mc_seed': int >= 0}}; "
-            f'got {entry!r}',
+            "state_dict entry 'options' has position_sample_seed "
+            f'{seed!r}; allowed: an int in [0, 2**31 - 1)',
         )
-    return {
-        'fisher_type': entry['fisher_type'],
-        'mc_samples': entry['mc_samples'],
-        'mc_seed': entry['mc_seed'],
-    }
+    return dict(options)

@@ -398,11 +398,61 @@ def test_the_clip_rule_is_saved_and_restored() -> None:
     _, relative = trained(kl_clip_rule='relative', kl_clip=1.0)
     state = roundtrip(relative.state_dict())
     assert state['version'] == STATE_VERSION == 4
-    assert state['options'] == {'kl_clip_rule': 'relative'}
+    assert state['options'] == {
+        'kl_clip_rule': 'relative',
+        'position_sample_seed': 0,
+    }
     _, other = trained()
     assert other.options.kl_clip_rule == 'kl'
     other.load_state_dict(state)
     assert other.options.kl_clip_rule == 'relative'
+
+
+def test_resume_with_sampled_positions_restores_the_seed() -> None:
+    """A run resumed by a preconditioner built with another seed draws
+    the saved run's positions: bit-identical parameters.
+    """
+    torch.manual_seed(0)
+    options: dict[str, Any] = dict(position_sample=0.5, factor_decay=0.8)
+    model = TinyCNN()
+    resumed_model = copy.deepcopy(model)
+    precon = KFACPreconditioner(model, position_sample_seed=9, **options)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    run_steps(model, precon, optimizer, range(2))
+    checkpoint = roundtrip(
+        {'model': model.state_dict(), 'kfac': precon.state_dict()}
+    )
+    assert checkpoint['kfac']['options']['position_sample_seed'] == 9
+    run_steps(model, precon, optimizer, range(2, 5))
+    precon2 = KFACPreconditioner(resumed_model, **options)
+    resumed_model.load_state_dict(checkpoint['model'])
+    precon2.load_state_dict(checkpoint['kfac'])
+    assert precon2.options.position_sample_seed == 9
+    optimizer2 = torch.optim.SGD(resumed_model.parameters(), lr=0.05)
+    run_steps(resumed_model, precon2, optimizer2, range(2, 5))
+    for p, q in zip(model.parameters(), resumed_model.parameters()):
+        assert torch.equal(p, q)
+    # and the seed matters: a run with another one ends elsewhere
+    torch.manual_seed(0)
+    other_model = TinyCNN()
+    other = KFACPreconditioner(other_model, position_sample_seed=1, **options)
+    optimizer3 = torch.optim.SGD(other_model.parameters(), lr=0.05)
+    run_steps(other_model, other, optimizer3, range(5))
+    assert not torch.equal(flat(other_model), flat(model))
+
+
+def flat(model: nn.Module) -> torch.Tensor:
+    return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+
+
+def test_a_version_3_state_keeps_the_loading_seed() -> None:
+    _, precon = trained()
+    state = dict(precon.state_dict())
+    state['options'] = {'kl_clip_rule': 'kl'}
+    state['version'] = 3
+    _, seeded = trained(position_sample_seed=4)
+    seeded.load_state_dict(state)
+    assert seeded.options.position_sample_seed == 4
 
 
 def test_a_version_2_state_loads_with_the_kl_rule() -> None:
@@ -419,8 +469,12 @@ def test_a_version_2_state_loads_with_the_kl_rule() -> None:
     ('options', 'error', 'match'),
     [
         ([], TypeError, "entry 'options' must map names to strings"),
-        ({'kl_clip_rule': 3}, TypeError, 'must map names to strings'),
+        ({'kl_clip_rule': 3.0}, TypeError, 'must map names to strings'),
         ({'kl_clip_rule': 'tr'}, ValueError, "kl_clip_rule 'tr'; allowed"),
+        ({'position_sample_seed': -1}, ValueError, 'position_sample_seed'),
+        ({'position_sample_seed': 2**31 - 1}, ValueError, 'seed 2147483647'),
+        ({'position_sample_seed': True}, ValueError, 'seed True'),
+        ({'position_sample_seed': '1'}, ValueError, "seed '1'"),
     ],
 )
 def test_bad_saved_options(options: Any, error: type, match: str) -> None:

@@ -29,9 +29,9 @@ from kfac.distributed import get_world_size
 from kfac.distributed._sharding import is_sharded
 from kfac.layers.helper import ModuleHelper
 from kfac.math.fisher import MC_LOSSES
+from kfac.math.fisher import FisherState
 from kfac.math.fisher import mc_loss
 from kfac.math.fisher import uniforms
-from kfac.state import FisherState
 from kfac.validation import check_choice
 from kfac.validation import check_instance
 

@@ -39,7 +39,7 @@ def save_layers(
     hyperparameters: Mapping[str, float | int | None],
     layers: Mapping[str, StatefulLayer],
     *,
-    options: Mapping[str, str],
+    options: Mapping[str, str | int],
     include_decompositions: bool,
 ) -> StateDict:
     """The state of a preconditioner at `steps` with these constant

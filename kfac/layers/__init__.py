@@ -3,8 +3,7 @@
 `import kfac.layers` imports its submodules (`attention`, `base`, `blocks`,
 `conv`, `decomposition`, `eigen`, `ekfac`, `embedding`, `examples`,
 `factor`, `factory`, `helper`, `inverse`, `lowrank`, `modules`,
-`options`, `register`,
-`statistics`, `tied`).
+`options`, `register`, `sampling`, `statistics`, `tied`).
 """
 
 from __future__ import annotations
@@ -26,6 +25,7 @@ from kfac.layers import lowrank
 from kfac.layers import modules
 from kfac.layers import options
 from kfac.layers import register
+from kfac.layers import sampling
 from kfac.layers import statistics
 from kfac.layers import tied
 from kfac.layers.base import KFACBaseLayer
@@ -55,6 +55,7 @@ __all__ = [
     'modules',
     'options',
     'register',
+    'sampling',
     'statistics',
     'tied',
 ]

@@ -22,6 +22,7 @@ from kfac.layers.helper import Grads
 from kfac.layers.helper import ModuleHelper
 from kfac.layers.helper import read_grad
 from kfac.layers.helper import write_rows
+from kfac.layers.sampling import select_positions
 
 _CONVOLUTIONS = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
 
@@ -48,6 +49,8 @@ class ConvModuleHelper(ModuleHelper):
     """
 
     module: nn.Conv1d | nn.Conv2d | nn.Conv3d
+
+    samples_positions = True
 
     def __init__(self, module: nn.Module) -> None:
         if not isinstance(module, _CONVOLUTIONS):
@@ -146,11 +149,21 @@ class ConvModuleHelper(ModuleHelper):
         layer_input: torch.Tensor,
         dtype: torch.dtype,
     ) -> Iterator[torch.Tensor]:
+        batch, first = self.batch_size(layer_input), 0
         for columns in self._patch_blocks(layer_input, dtype):
             if self.kfac_approx == 'reduce':
                 yield columns.mean(dim=2)
-            else:
-                yield columns.reshape(columns.shape[0], -1)
+                continue
+            drawn, _ = select_positions(
+                self.sampler,
+                columns,
+                examples=1,
+                dim=2,
+                batch=batch,
+                first=first,
+            )
+            first += columns.shape[1]
+            yield drawn.reshape(columns.shape[0], -1)
 
     def a_example_rows(  # noqa: D102
         self,
@@ -180,6 +193,8 @@ class ConvModuleHelper(ModuleHelper):
         scale: float,
     ) -> torch.Tensor:
         g = self._batched(grad_output)
+        if self.sampler is not None and self.kfac_approx == 'expand':
+            return self._sampled_g_columns(g, dtype, scale)
         cols = torch.empty(
             (g.shape[1], g.shape[0], *g.shape[2:]),
             dtype=dtype,
@@ -188,6 +203,17 @@ class ConvModuleHelper(ModuleHelper):
         torch.mul(g.transpose(0, 1).to(dtype), scale, out=cols)
         if self.kfac_approx == 'reduce':
             return cols.reshape(g.shape[1], g.shape[0], -1).sum(dim=2)
+        return cols.reshape(g.shape[1], -1)
+
+    def _sampled_g_columns(
+        self, g: torch.Tensor, dtype: torch.dtype, scale: float
+    ) -> torch.Tensor:
+        """`g_columns` of the drawn positions, scaled by `√(T/k)` too."""
+        flat = g.reshape(g.shape[0], g.shape[1], -1)
+        drawn, weight = select_positions(
+            self.sampler, flat, examples=0, dim=2, batch=g.shape[0]
+        )
+        cols = drawn.transpose(0, 1).to(dtype) * (scale * math.sqrt(weight))
         return cols.reshape(g.shape[1], -1)
 
     def batch_size(self, tensor: torch.Tensor) -> int:  # noqa: D102

@@ -19,6 +19,8 @@ from typing import cast
 import torch
 from torch import nn
 
+from kfac.layers.sampling import PositionSampler
+
 
 class Grads:
     """Where layers read and write their parameters' gradients in a step.
@@ -85,6 +87,15 @@ class ModuleHelper(abc.ABC):
     """How shared positions enter the factors: `'expand'` (each position
     a row) or `'reduce'` (one row per example: inputs averaged, output
     gradients summed over its positions); set at registration."""
+
+    samples_positions: bool = False
+    """Whether the helper can form its statistics on a sample of
+    positions (`position_sample`; Linear layers and convolutions)."""
+
+    sampler: PositionSampler | None = None
+    """Draws the positions `A` and `G` are formed from (see
+    [`kfac.layers.sampling`][kfac.layers.sampling]); None: every
+    position. Set at registration."""
 
     def __init__(self, module: nn.Module) -> None:
         if not isinstance(module, nn.Module) or not isinstance(

@@ -15,6 +15,7 @@ weights). This module exports the helpers of the design contract.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator
 
 import torch
@@ -23,6 +24,7 @@ from kfac.layers.conv import Conv2dModuleHelper
 from kfac.layers.conv import ConvModuleHelper
 from kfac.layers.helper import Grads
 from kfac.layers.helper import ModuleHelper
+from kfac.layers.sampling import select_positions
 
 __all__ = [
     'Conv2dModuleHelper',
@@ -42,6 +44,8 @@ class LinearModuleHelper(ModuleHelper):
     A 2-D input is `(N, in)` and a 1-D input one example either way.
     """
 
+    samples_positions = True
+
     def _rows(self, tensor: torch.Tensor) -> torch.Tensor:
         """`(N, T, features)`: examples first, positions flattened."""
         if tensor.dim() > 2 and not self.batch_first:
@@ -59,6 +63,7 @@ class LinearModuleHelper(ModuleHelper):
         if self.kfac_approx == 'reduce':
             yield rows.to(dtype).mean(dim=1).T
         else:
+            rows, _ = self._sampled(rows)
             yield rows.reshape(-1, rows.shape[-1]).to(dtype).T
 
     def g_columns(  # noqa: D102
@@ -68,11 +73,20 @@ class LinearModuleHelper(ModuleHelper):
         scale: float,
     ) -> torch.Tensor:
         rows = self._rows(grad_output).to(dtype)
+        if self.kfac_approx == 'expand':
+            rows, weight = self._sampled(rows)
+            scale *= math.sqrt(weight)  # T/k in G; 1.0 with every position
         if scale != 1.0:
             rows = rows * scale
         if self.kfac_approx == 'reduce':
             return rows.sum(dim=1).T
         return rows.reshape(-1, rows.shape[-1]).T
+
+    def _sampled(self, rows: torch.Tensor) -> tuple[torch.Tensor, float]:
+        """The drawn positions of `(N, T, features)` rows, and `T/k`."""
+        return select_positions(
+            self.sampler, rows, examples=0, dim=1, batch=rows.shape[0]
+        )
 
     def a_example_rows(  # noqa: D102
         self,

@@ -1,8 +1,7 @@
 """Per-module options: one model-wide value, overrides by name or type.
 
 Every per-module option (`batch_first`, `kfac_approx`, `max_factor_dim`,
-`factor_rank`) has
-a model-wide value,
+`factor_rank`, `position_sample`) has a model-wide value,
 a keyword argument of the preconditioner. `module_options` overrides it for the
 modules it selects: `{pattern: {option: value}}`, where a pattern is a regular
 expression searched (`re.search`) in a module's dotted name and in its class
@@ -30,6 +29,7 @@ from typing import Any
 
 from torch import nn
 
+from kfac.layers.sampling import check_position_sample
 from kfac.validation import check_bool
 from kfac.validation import check_choice
 from kfac.validation import type_error
@@ -78,6 +78,13 @@ class ModuleOptions:
     eigenpairs plus the mean of the rest of its spectrum (see
     [`kfac.math.lowrank`][kfac.math.lowrank]); None: every factor whole.
     EIGEN and INVERSE only; not for an embedding or a tied weight."""
+    position_sample: int | float | None = None
+    """Form `A` and `G` from a sample of each example's weight-sharing
+    positions: an int `k` (that many positions, all if fewer) or a float
+    `f` in `(0, 1]` (`⌈f T⌉` of the `T` positions); None: every position.
+    Unbiased for the *expand* factors; Linear layers and convolutions
+    under `kfac_approx='expand'` only (see
+    [`kfac.layers.sampling`][kfac.layers.sampling])."""
 
     def __post_init__(self) -> None:
         check_bool('batch_first', self.batch_first)
@@ -86,6 +93,7 @@ class ModuleOptions:
             validate_int('max_factor_dim', self.max_factor_dim)
         if self.factor_rank is not None:
             validate_int('factor_rank', self.factor_rank)
+        check_position_sample(self.position_sample)
 
 
 OPTION_NAMES = tuple(f.name for f in dataclasses.fields(ModuleOptions))

@@ -29,6 +29,8 @@ from kfac.layers.options import check_module_options
 from kfac.layers.options import check_pattern
 from kfac.layers.options import resolve_options
 from kfac.layers.options import selects
+from kfac.layers.sampling import PositionSampler
+from kfac.layers.sampling import SampleKey
 
 KNOWN_MODULES: dict[type[nn.Module], type[ModuleHelper]] = {
     nn.Linear: LinearModuleHelper,
@@ -191,6 +193,7 @@ def register_model(
     skip_layers: str | Iterable[str] | None = None,
     defaults: ModuleOptions | None = None,
     module_options: object = None,
+    sample_key: SampleKey | None = None,
 ) -> Registration:
     """Decide, once, which modules of `model` K-FAC preconditions.
 
@@ -217,11 +220,16 @@ def register_model(
         defaults: the model-wide per-module options.
         module_options: overrides `{pattern: {option: value}}` (see
             [`kfac.layers.options`][kfac.layers.options]).
+        sample_key: where the helpers' position samplers read their seed,
+            step and rank (`position_sample`; default: seed 0, step 0,
+            rank 0).
 
     Raises:
         TypeError: `model` is not a `torch.nn.Module`, or an option has
             the wrong type.
-        ValueError: an invalid pattern or an unknown option.
+        ValueError: an invalid pattern or an unknown option, or
+            `position_sample` set by `module_options` for a module that
+            cannot sample positions.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(
@@ -243,6 +251,7 @@ def register_model(
                     _embeddings_expand(options, sources, key)
                 helper.batch_first = options[key].batch_first
                 helper.kfac_approx = options[key].kfac_approx
+                _attach_sampler(helper, key, options, sources, sample_key)
                 helpers[key] = helper
             continue
         own = _own_parameters(module)
@@ -322,6 +331,40 @@ def _embeddings_expand(
             options[name], kfac_approx='expand'
         )
         sources[name]['kfac_approx'] = 'model (embeddings: expand only)'
+
+
+def _attach_sampler(
+    helper: ModuleHelper,
+    name: str,
+    options: dict[str, ModuleOptions],
+    sources: dict[str, dict[str, str]],
+    key: SampleKey | None,
+) -> None:
+    """Give `helper` its `position_sample` sampler. A module that cannot
+    sample (an embedding, or `kfac_approx='reduce'`) is left unsampled
+    under a model-wide value, and refused when `module_options` asks.
+    """
+    option = options[name].position_sample
+    if option is None:
+        return
+    reason = None
+    if not helper.samples_positions:
+        reason = f'{type(helper).__name__} has no sampled form'
+    elif helper.kfac_approx != 'expand':
+        reason = "it needs kfac_approx='expand'"
+    if reason is None:
+        helper.sampler = PositionSampler(option, key or SampleKey())
+    elif sources[name]['position_sample'] == 'model':
+        options[name] = dataclasses.replace(
+            options[name], position_sample=None
+        )
+        sources[name]['position_sample'] = f'model (not sampled: {reason})'
+    else:
+        raise ValueError(
+            f'position_sample={option!r} selects {name}, which cannot form '
+            f'its statistics on sampled positions: {reason}; set it to '
+            'None for this module in module_options',
+        )
 
 
 def register_modules(

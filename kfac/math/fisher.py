@@ -36,6 +36,8 @@ hash over `2⁵³`; a class is the first whose cumulative probability
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
+from typing import TypedDict
 
 import torch
 import torch.nn.functional as F
@@ -177,3 +179,41 @@ def mc_loss(
     if mask is not None:
         target = target.masked_fill(~mask.reshape(-1).to(target.device), -100)
     return F.cross_entropy(flat, target, reduction=reduction)
+
+
+class FisherState(TypedDict):
+    """The Monte Carlo Fisher's settings."""
+
+    fisher_type: str
+    mc_samples: int
+    mc_seed: int
+
+
+def parse_fisher(state: object) -> FisherState | None:
+    """The `'fisher'` entry of `state`, checked; None if it has none (or
+    `state` is no mapping, which `parse_state` refuses).
+
+    Raises:
+        ValueError: the entry is malformed.
+    """
+    entry = state.get('fisher') if isinstance(state, Mapping) else None
+    if entry is None:
+        return None
+    if not (
+        isinstance(entry, Mapping)
+        and entry.get('fisher_type') in FISHER_TYPES
+        and all(
+            type(entry.get(key)) is int and entry[key] >= low
+            for key, low in (('mc_samples', 1), ('mc_seed', 0))
+        )
+    ):
+        raise ValueError(
+            "state_dict entry 'fisher' must be {'fisher_type': one of "
+            f"{FISHER_TYPES}, 'mc_samples': int >= 1, 'mc_seed': int >= 0}}; "
+            f'got {entry!r}',
+        )
+    return {
+        'fisher_type': entry['fisher_type'],
+        'mc_samples': entry['mc_samples'],
+        'mc_seed': entry['mc_seed'],
+    }

@@ -67,6 +67,7 @@ def test_resolution_order_and_sources() -> None:
             'kfac_approx': 'model',
             'max_factor_dim': 'model',
             'factor_rank': 'model',
+            'position_sample': 'model',
         },
     )
     assert resolved['head'] == (
@@ -76,6 +77,7 @@ def test_resolution_order_and_sources() -> None:
             'kfac_approx': 'model',
             'max_factor_dim': 'model',
             'factor_rank': 'model',
+            'position_sample': 'model',
         },
     )
     assert resolved['tail'][0] == ModuleOptions(batch_first=True)  # last wins
@@ -84,6 +86,7 @@ def test_resolution_order_and_sources() -> None:
         'kfac_approx': 'model',
         'max_factor_dim': 'model',
         'factor_rank': 'model',
+        'position_sample': 'model',
     }
 
 

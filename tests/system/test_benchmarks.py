@@ -28,6 +28,7 @@ from benchmarks.floor import step_work
 from benchmarks.harness import CONFIGS
 from benchmarks.harness import RANK_CONFIGS
 from benchmarks.harness import REDUCE_CONFIGS
+from benchmarks.harness import SAMPLE_CONFIGS
 from benchmarks.harness import Config
 from benchmarks.harness import Sample
 from benchmarks.harness import cycle_kinds
@@ -57,6 +58,8 @@ from kfac.layers.lowrank import KFACLowRankInverseLayer
 from kfac.layers.modules import Conv2dModuleHelper
 from kfac.layers.modules import LinearModuleHelper
 from kfac.layers.modules import ModuleHelper
+from kfac.layers.sampling import PositionSampler
+from kfac.layers.sampling import SampleKey
 from kfac.preconditioner import KFACPreconditioner
 from kfac.tracing import PhaseTimer
 
@@ -224,6 +227,32 @@ def test_layer_shapes_match_the_registered_layers(
         assert grad is not None
         assert shape.grad_numel == grad.numel()
     pre.remove()
+
+
+@pytest.mark.parametrize(
+    ('module', 'shape', 'rows'),
+    [
+        (nn.Linear(7, 5), (3, 8, 7), 3 * 2),  # 2 of 8 positions
+        (nn.Conv2d(3, 4, 3, stride=2, padding=1), (2, 3, 9, 9), 2 * 7),
+    ],
+)
+def test_sampled_capture_flops_match_the_library(
+    module: nn.Module, shape: tuple[int, ...], rows: int
+) -> None:
+    """`position_sample=0.25`: `k = ⌈T/4⌉` rows per example (25
+    positions of the convolution give 7).
+    """
+    torch.manual_seed(0)
+    x = torch.randn(shape)
+    (counted,) = layer_shapes(nn.Sequential(module), x, position_sample=0.25)
+    assert counted.rows == rows
+    helper = _helper(module, 'expand')
+    helper.sampler = PositionSampler(0.25, SampleKey())
+    layer = _layer('eigen', helper)
+    grad_out = torch.randn_like(module(x))
+    capture = _flops(lambda: layer.save_layer_input(x, now=True))
+    capture += _flops(lambda: layer.save_layer_grad_output(grad_out, now=True))
+    assert capture == phase_work(counted, 'eigen')['factor_capture'].flops
 
 
 def test_gpt_bench_rows_match_the_library_statistics() -> None:
@@ -539,7 +568,13 @@ def test_run_model_reports_reduce_beside_expand(
         full_cycle=False,
     )
     configs = result['configs']
-    assert list(configs) == [c.name for c in (*CONFIGS, *REDUCE_CONFIGS)]
+    assert list(configs) == [
+        c.name for c in (*CONFIGS, *REDUCE_CONFIGS, *SAMPLE_CONFIGS)
+    ]
+    expand = configs['eigen 10/100']['phases']['factor_capture']
+    sample = configs['eigen 10/100 sample']['phases']['factor_capture']
+    assert 0 < sample['floor_seconds'] <= expand['floor_seconds']
+    assert configs['eigen 10/100 sample']['cycle']['ratio_to_sgd'] > 0
     for method in ('eigen', 'inverse'):
         expand = configs[f'{method} 10/100']['phases']['factor_capture']
         reduce = configs[f'{method} 10/100 reduce']['phases']['factor_capture']
@@ -556,3 +591,5 @@ def test_run_model_reports_reduce_beside_expand(
     )
     assert '| gpt | eigen 10/100 reduce |' in text
     assert '| gpt | reduce |' in text  # the summary row
+    assert '| gpt | eigen 10/100 sample |' in text
+    assert '| gpt | sample |' in text

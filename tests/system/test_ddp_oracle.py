@@ -2,7 +2,8 @@
 
 For every world size 1-4, every valid KAISA strategy, both compute methods,
 bucketing on and off and symmetry-aware packing on and off (and EKFAC under
-each strategy, see ``ekfac_configuration``), a few DDP
+each strategy, see ``ekfac_configuration``, and ``position_sample``, whose
+draws are keyed to the global example index), a few DDP
 training steps must give parameters equal on all ranks and equal to one
 process trained on the whole batch (float64, relative difference < 1e-9).
 One launch per world size loops over all configurations; the single-process
@@ -116,6 +117,17 @@ def configurations(world_size: int) -> list[dict[str, Any]]:
     configs += [mc, {**mc, 'resume': True}]
     if world_size == 2:
         configs += cost_configurations()
+    # Sampled positions (keyed to the global example index), both captures.
+    for sample, in_hook in ((0.5, True), (3, False)):
+        configs.append(
+            {
+                'grad_worker_fraction': 'comm_opt',
+                'position_sample': sample,
+                'position_sample_seed': 77,
+                'update_factors_in_hook': in_hook,
+                'damping': 0.01,
+            },
+        )
     return configs
 
 

@@ -239,3 +239,80 @@ def test_the_sync_counter_sees_device_syncs(device: torch.device) -> None:
         out.sum().backward()
 
     assert count_syncs(backward_with_a_read) == 1
+
+
+class TokenMLP(nn.Module):
+    """Linear layers on `(N, T, d)` rows and a Conv1d: positions to sample."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv1d(8, 8, 3, padding=1)
+        self.fc1 = nn.Linear(8, 16)
+        self.fc2 = nn.Linear(16, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.conv(x.transpose(1, 2))).transpose(1, 2)
+        out: torch.Tensor = self.fc2(torch.tanh(self.fc1(h)))
+        return out.mean(dim=1)
+
+
+def reads_with_sampling(
+    sample: float | None,
+    in_hook: bool,
+    monkeypatch: pytest.MonkeyPatch,
+    device: torch.device,
+) -> tuple[list[int], list[int]]:
+    """Host reads of forward plus backward, and of `step()`, in steps 0-3."""
+    torch.manual_seed(0)
+    model = TokenMLP().to(device)
+    precon = KFACPreconditioner(
+        model,
+        factor_update_steps=2,
+        inv_update_steps=4,
+        position_sample=sample,
+        update_factors_in_hook=in_hook,
+    )
+    x = torch.randn(12, 10, 8, device=device)
+    y = torch.randint(0, 4, (12,), device=device)
+    passes, steps = [], []
+    with monkeypatch.context() as patch:
+        counts = count_reads(patch)
+        for _ in range(4):
+            before = counts.total()
+            model.zero_grad()
+            F.cross_entropy(model(x), y).backward()
+            passes.append(counts.total() - before)
+            before = counts.total()
+            precon.step()
+            steps.append(counts.total() - before)
+    return passes, steps
+
+
+@pytest.mark.parametrize('in_hook', [True, False])
+def test_sampled_positions_add_no_host_reads(
+    in_hook: bool, monkeypatch: pytest.MonkeyPatch, device: torch.device
+) -> None:
+    plain = reads_with_sampling(None, in_hook, monkeypatch, device)
+    sampled = reads_with_sampling(0.3, in_hook, monkeypatch, device)
+    assert sampled == plain
+    assert plain[1] == [3, 1, 2, 1]  # as for the MLP above
+
+
+def test_sampled_positions_add_no_device_syncs(device: torch.device) -> None:
+    needs_cuda(device)
+    torch.manual_seed(0)
+    x = torch.randn(12, 10, 8, device=device)
+    y = torch.randint(0, 4, (12,), device=device)
+    counts = []
+    for sample in (None, 0.3, None, 0.3):  # the first: warm-up
+        model = TokenMLP().to(device)
+        precon = KFACPreconditioner(model, position_sample=sample)
+
+        def one_step(
+            model: nn.Module = model, precon: KFACPreconditioner = precon
+        ) -> None:
+            F.cross_entropy(model(x), y).backward()
+            precon.step()
+
+        counts.append(count_syncs(one_step))
+    assert counts[2] == counts[3]

@@ -29,8 +29,8 @@ from torch import nn
 
 import kfac._engine.fisher
 from kfac.math.fisher import gaussian_noise
+from kfac.math.fisher import parse_fisher
 from kfac.preconditioner import KFACPreconditioner
-from kfac.state import parse_fisher
 from testing.asserts import WORST
 from testing.asserts import assert_rel_close
 from testing.curvlinops import curvlinops_factors
