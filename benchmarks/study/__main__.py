@@ -71,6 +71,12 @@ VARIANTS: dict[str, dict[str, Any]] = {
     'updates20/200': {'factor_update_steps': 20, 'inv_update_steps': 200},
     'kl0.001': {'kl_clip': 0.001, 'kl_clip_rule': 'kl'},
     'noclip': {'kl_clip': None},
+    'mc': {'fisher_type': 'mc'},
+    'rank64': {'factor_rank': 64},
+    'blocks512': {'max_factor_dim': 512},
+    'sample0.25': {'position_sample': 0.25},
+    'relative1': {'damping_mode': 'relative', 'damping': 1.0},
+    'qr': {'basis_refresh': 'qr'},
 }
 """K-FAC variants: each changes one thing of `BASE_KFAC`."""
 

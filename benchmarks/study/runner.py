@@ -112,7 +112,10 @@ def run(task: Task, config: Config, seed: int) -> dict[str, Any]:
         start, start_cpu = time.perf_counter(), time.process_time()
         for optimizer in optimizers:
             optimizer.zero_grad(set_to_none=True)
-        loss = task.loss(model, batch)
+        output = model(batch[0])
+        loss = task.criterion(output, batch)
+        if precon is not None:  # the MC Fisher's sampled pass, if asked
+            precon.sample_fisher(output, task.fisher)
         loss.backward()
         if precon is not None:
             precon.step()

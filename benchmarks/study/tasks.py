@@ -57,11 +57,18 @@ class Task:
     """The model for a seed (same seed, same initial weights)."""
     batches: Callable[[int], Iterator[Batch]]
     """The training batches for a seed, at least `steps` of them."""
-    loss: Callable[[nn.Module, Batch], torch.Tensor]
+    criterion: Callable[[torch.Tensor, Batch], torch.Tensor]
+    """The loss of the model's output on a batch."""
     evaluate: Callable[[nn.Module], float]
+    fisher: str = 'cross_entropy'
+    """The loss `sample_fisher` samples targets for (the MC Fisher)."""
     clip_norm: float | None = None
     matrices: Callable[[nn.Module], list[torch.Tensor]] = lambda m: []
     """The 2-D hidden weights Muon trains (AdamW trains the rest)."""
+
+    def loss(self, model: nn.Module, batch: Batch) -> torch.Tensor:
+        """The training loss of `model` on `batch`."""
+        return self.criterion(model(batch[0]), batch)
 
     def better(self, a: float, b: float) -> bool:
         """Whether metric `a` is at least as good as `b`."""
@@ -86,8 +93,8 @@ def _hidden_linears(model: nn.Module, drop_first: bool) -> list[torch.Tensor]:
     return weights[int(drop_first) : -1]
 
 
-def _cross_entropy(model: nn.Module, batch: Batch) -> torch.Tensor:
-    return F.cross_entropy(model(batch[0]), batch[1])
+def _cross_entropy(output: torch.Tensor, batch: Batch) -> torch.Tensor:
+    return F.cross_entropy(output, batch[1])
 
 
 @torch.no_grad()
@@ -139,7 +146,7 @@ def cnn(
         metric='test accuracy (%)',
         build=cnn_model,
         batches=batches,
-        loss=_cross_entropy,
+        criterion=_cross_entropy,
         evaluate=lambda m: _accuracy(
             m, images.test_images, images.test_labels
         ),
@@ -208,8 +215,7 @@ class ByteGPT(nn.Module):
         return logits
 
 
-def _lm_loss(model: nn.Module, batch: Batch) -> torch.Tensor:
-    logits = model(batch[0])
+def _lm_loss(logits: torch.Tensor, batch: Batch) -> torch.Tensor:
     return F.cross_entropy(logits.flatten(0, 1), batch[1].flatten())
 
 
@@ -265,7 +271,7 @@ def gpt(
     def evaluate(model: nn.Module) -> float:
         model.eval()
         losses = [
-            float(_lm_loss(model, (x, y)))
+            float(_lm_loss(model(x), (x, y)))
             for x, y in zip(
                 valid[0].split(64), valid[1].split(64), strict=True
             )
@@ -281,7 +287,7 @@ def gpt(
         metric='validation loss (nats/byte)',
         build=build,
         batches=batches,
-        loss=_lm_loss,
+        criterion=_lm_loss,
         evaluate=evaluate,
         clip_norm=1.0,
         matrices=lambda m: [
@@ -304,8 +310,8 @@ def autoencoder_model(seed: int) -> nn.Module:
     return nn.Sequential(*layers)
 
 
-def _reconstruction(model: nn.Module, batch: Batch) -> torch.Tensor:
-    return F.mse_loss(model(batch[0]), batch[0].flatten(1))
+def _reconstruction(output: torch.Tensor, batch: Batch) -> torch.Tensor:
+    return F.mse_loss(output, batch[0].flatten(1))
 
 
 def autoencoder(
@@ -323,7 +329,7 @@ def autoencoder(
     @torch.no_grad()
     def evaluate(model: nn.Module) -> float:
         total = sum(
-            float(_reconstruction(model, (x, x))) * len(x)
+            float(_reconstruction(model(x), (x, x))) * len(x)
             for x in images.test_images.split(2000)
         )
         return total / len(images.test_images)
@@ -336,7 +342,8 @@ def autoencoder(
         metric='test reconstruction error (MSE)',
         build=autoencoder_model,
         batches=batches,
-        loss=_reconstruction,
+        criterion=_reconstruction,
+        fisher='mse',
         evaluate=evaluate,
         matrices=lambda m: _hidden_linears(m, drop_first=True),
     )

@@ -60,8 +60,11 @@ TINY = {
         runner.Config('sgd', 0.01),
         runner.Config('muon', 0.001),
         runner.kfac_config('adamw', 0.001, 'kfac', study.BASE_KFAC),
+        runner.kfac_config(
+            'sgd', 0.01, 'mc', {**study.BASE_KFAC, **study.VARIANTS['mc']}
+        ),
     ],
-    ids=['sgd', 'muon', 'adamw+kfac'],
+    ids=['sgd', 'muon', 'adamw+kfac', 'sgd+mc'],
 )
 def test_a_run_trains_and_records(name: str, config: runner.Config) -> None:
     task = TINY[name]()
