@@ -167,7 +167,12 @@ def _ratio(configs: Mapping[str, Any], name: str, key: str) -> str:
     return _f(value)
 
 
-_LABELS = {'': 'expand', ' reduce': 'reduce', ' rank64': 'factor_rank=64'}
+_LABELS = {
+    '': 'expand',
+    ' reduce': 'reduce',
+    ' rank64': 'factor_rank=64',
+    ' sample': 'sample',
+}
 
 
 def summary_table(result: Mapping[str, Any]) -> str:
