@@ -72,7 +72,12 @@ VARIANTS: dict[str, dict[str, Any]] = {
     'kl0.001': {'kl_clip': 0.001, 'kl_clip_rule': 'kl'},
     'noclip': {'kl_clip': None},
     'mc': {'fisher_type': 'mc'},
-    'rank64': {'factor_rank': 64},
+    # (the GPT's tied embedding and head keep whole factors: the low-rank
+    # form does not apply to a tied weight)
+    'rank64': {
+        'factor_rank': 64,
+        'module_options': {'embed|head': {'factor_rank': None}},
+    },
     'blocks512': {'max_factor_dim': 512},
     'sample0.25': {'position_sample': 0.25},
     'relative1': {'damping_mode': 'relative', 'damping': 1.0},
