@@ -71,6 +71,7 @@ VARIANTS: dict[str, dict[str, Any]] = {
     'updates20/200': {'factor_update_steps': 20, 'inv_update_steps': 200},
     'kl0.001': {'kl_clip': 0.001, 'kl_clip_rule': 'kl'},
     'noclip': {'kl_clip': None},
+    'clip10': {'kl_clip': 10.0},
     'mc': {'fisher_type': 'mc'},
     # (the GPT's tied embedding and head keep whole factors: the low-rank
     # form does not apply to a tied weight)
