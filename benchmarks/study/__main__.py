@@ -268,6 +268,11 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         document['runs'], document['higher_is_better']
     )
     print(analysis.markdown(summary, document['metric']))
+    print()
+    own = analysis.per_optimizer(
+        document['runs'], document['higher_is_better']
+    )
+    print(analysis.markdown_own(own, document['metric']))
     plot(document, summary, out.with_suffix('.png'))
     return summary
 

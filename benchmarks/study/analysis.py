@@ -154,3 +154,42 @@ def markdown(summary: dict[str, Any], metric: str) -> str:
             f'| {_number(r["time_ratio"], 2)} | {r["reached"]}/{r["seeds"]} |'
         )
     return '\n'.join(lines)
+
+
+def per_optimizer(
+    runs: Sequence[dict[str, Any]], higher_is_better: bool
+) -> dict[str, dict[str, Any]]:
+    """`summarise` within each optimizer's runs: K-FAC over an optimizer
+    against that optimizer's own best learning rate (the comparison of a
+    user who adds K-FAC to the optimizer they have).
+    """
+    names = dict.fromkeys(run['optimizer'] for run in runs)
+    out = {}
+    for name in names:
+        mine = [run for run in runs if run['optimizer'] == name]
+        if any(run['kfac'] is None for run in mine):
+            out[name] = summarise(mine, higher_is_better)
+    return out
+
+
+def markdown_own(summaries: dict[str, dict[str, Any]], metric: str) -> str:
+    """The K-FAC rows of `per_optimizer` as a Markdown table."""
+    lines = [
+        f'| K-FAC configuration | its optimizer alone at its best lr: final '
+        f'{metric} | K-FAC final | steps to that | CPU time / the optimizer '
+        "alone's | reached |",
+        '| --- | --- | --- | --- | --- | --- |',
+    ]
+    for summary in summaries.values():
+        for r in summary['rows']:
+            if r['kfac'] is None:
+                continue
+            lines.append(
+                f'| {r["label"]} | {summary["best_baseline"]}: '
+                f'{_number(summary["target"], 4)} '
+                f'| {_number(r["final_median"], 4)} '
+                f'| {_number(r["steps_to_target"], 4)} '
+                f'| {_number(r["time_ratio"], 2)} '
+                f'| {r["reached"]}/{r["seeds"]} |'
+            )
+    return '\n'.join(lines)

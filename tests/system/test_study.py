@@ -164,6 +164,17 @@ def test_the_best_baseline_and_the_time_to_its_final_metric() -> None:
     # K-FAC: 90 and 70 and 50 at step 2; only seed 0 reaches: median never.
     assert rows['sgd+kfac lr=0.1']['reached'] == 1
     assert rows['sgd+kfac lr=0.1']['final_spread'] == 40
+    # Against its own optimizer (SGD alone: 82 at 4 s), the same rows.
+    own = analysis.per_optimizer(runs, higher_is_better=True)
+    assert set(own) == {'sgd', 'adamw'}
+    assert own['sgd']['best_baseline'] == 'sgd lr=0.1'
+    assert own['adamw']['target'] == 70
+    own_rows = {row['label']: row for row in own['adamw']['rows']}
+    assert own_rows['adamw lr=0.1']['time_ratio'] == 1
+    text = analysis.markdown_own(own, 'accuracy')
+    assert text.splitlines()[2] == (
+        '| sgd+kfac lr=0.1 | sgd lr=0.1: 82 | 70 | never | never | 1/3 |'
+    )
     table = analysis.markdown(summary, 'accuracy')
     assert table.splitlines()[4] == (
         '| sgd lr=0.1 | 3 | 82 (4) | 4 | 2 | 4 | 500.0 | 1 | 2/3 |'
