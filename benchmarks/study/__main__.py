@@ -170,7 +170,7 @@ def _load(path: pathlib.Path) -> dict[str, Any]:
 def plot(
     document: dict[str, Any], summary: dict[str, Any], path: pathlib.Path
 ) -> None:
-    """Metric against training seconds: the median seed of the best
+    """Metric against training CPU seconds: the median seed of the best
     configuration of each optimizer alone and with each K-FAC variant.
     """
     import matplotlib
@@ -202,13 +202,13 @@ def plot(
         median = rows[len(rows) // 2]
         steps = [e for e in median['evals'] if e[0] > 0]
         axis.plot(
-            [e[1] for e in steps],
+            [e[3] for e in steps],
             [e[2] for e in steps],
             label=row['label'],
             linestyle='-' if row['kfac'] else '--',
         )
     axis.axhline(summary['target'], color='grey', linewidth=0.8)
-    axis.set_xlabel('training seconds (evaluation excluded)')
+    axis.set_xlabel('training CPU seconds (evaluation excluded)')
     axis.set_ylabel(document['metric'])
     if not higher:
         axis.set_yscale('log')
