@@ -111,7 +111,7 @@ class KFACConfig:
     module_options: Mapping[str, Mapping[str, Any]] | None = None
     max_factor_dim: int | None = DEFAULT_MAX_FACTOR_DIM
     shard_mode: str = 'lossless'
-    kl_clip_rule: str = 'kl'
+    kl_clip_rule: str = 'relative'
     basis_refresh: str = 'eigh'
     compile_arithmetic: bool = False
     fisher_type: str = 'empirical'
@@ -344,7 +344,7 @@ class EngineOptions:
     update_factors_in_hook: bool = True
     bucketed: bool = True
     shard_mode: str = 'lossless'
-    kl_clip_rule: str = 'kl'
+    kl_clip_rule: str = 'relative'
     compile_arithmetic: bool = False
     position_sample_seed: int = 0
 

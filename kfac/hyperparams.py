@@ -111,11 +111,11 @@ class Hyperparameters:
 
     """
 
-    factor_update_steps: IntParam = 1
-    inv_update_steps: IntParam = 1
-    damping: FloatParam = 0.001
+    factor_update_steps: IntParam = 10
+    inv_update_steps: IntParam = 100
+    damping: FloatParam = 0.003
     factor_decay: FloatParam = 0.95
-    kl_clip: OptionalFloatParam = 0.001
+    kl_clip: OptionalFloatParam = 1.0
     lr: FloatParam = 0.1
 
     def __post_init__(self) -> None:
