@@ -178,7 +178,11 @@ def _run_case(case: Case, rank: int) -> dict[str, object]:
         symmetry_aware=comm.symmetry_aware,
         allreduce_bucket_cap_mb=comm.bucket_cap_mb,
         grad_worker_fraction=case.fraction,
+        factor_update_steps=1,
         inv_update_steps=2,
+        damping=0.001,
+        kl_clip=0.001,
+        kl_clip_rule='kl',
         factor_rank=comm.factor_rank,
     )
     meter = PhaseBytes(pre.communicator)

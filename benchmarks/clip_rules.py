@@ -61,7 +61,9 @@ def _run(
             optimizer=optimizer,
             factor_update_steps=10,
             inv_update_steps=100,
-            **kfac,
+            # the original damping and 'kl' rule unless `kfac` sets them
+            # (`kfac` itself is recorded as given)
+            **{'damping': 0.001, 'kl_clip_rule': 'kl', **kfac},
         )
     generator = torch.Generator().manual_seed(0)
     order = torch.randperm(len(images.train_images), generator=generator)

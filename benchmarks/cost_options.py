@@ -45,6 +45,7 @@ from examples import char_lm
 from examples import data
 from examples.gpt import GPT
 from examples.gpt import GPTConfig
+from kfac.hyperparams import ORIGINAL_DEFAULTS
 from kfac.preconditioner import KFACPreconditioner
 
 FORMS: dict[str, dict[str, Any] | None] = {
@@ -102,7 +103,10 @@ class _Trainer:
         )
         self.precon = None
         if form is not None:
-            options = {
+            # The original defaults (damping, the 'kl' clip at 0.001) where
+            # neither `kfac` nor `form` sets them, as before they changed.
+            options: dict[str, Any] = {
+                **ORIGINAL_DEFAULTS,
                 'factor_update_steps': 5,
                 'inv_update_steps': 20,
                 'optimizer': self.optimizer,

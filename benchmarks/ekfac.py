@@ -102,7 +102,12 @@ def cnn(seed: int = 0) -> Workload:
         model.train()
         return hits / len(labels)
 
-    options = {'damping': 0.003, 'kl_clip': 1e-4, 'lr': 0.1}
+    options = {
+        'damping': 0.003,
+        'kl_clip': 1e-4,
+        'kl_clip_rule': 'kl',
+        'lr': 0.1,
+    }
     return Workload(
         'cnn',
         model,

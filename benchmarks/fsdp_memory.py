@@ -126,6 +126,9 @@ def measure_rank(setup: str, out_dir: str) -> None:
             wrapped,
             factor_update_steps=1,
             inv_update_steps=STEPS,
+            damping=0.001,
+            kl_clip=0.001,
+            kl_clip_rule='kl',
             grad_worker_fraction=strategy,
             loss_average='batch+sequence',
         )

@@ -101,7 +101,7 @@ def cnn(seed: int = 0) -> Workload:
         F.cross_entropy,
         accuracy,
         lambda score: score >= 0.88,
-        {'damping': 0.003, 'kl_clip': 1e-4, 'lr': 0.1},
+        {'damping': 0.003, 'kl_clip': 1e-4, 'kl_clip_rule': 'kl', 'lr': 0.1},
     )
 
 

@@ -27,6 +27,7 @@ from benchmarks.models import build
 from kfac.base_preconditioner import BaseKFACPreconditioner
 from kfac.config import EngineOptions
 from kfac.distributed import TorchDistributedCommunicator
+from kfac.hyperparams import ORIGINAL_DEFAULTS
 from kfac.preconditioner import KFACPreconditioner
 
 
@@ -50,8 +51,14 @@ def _probe(name: str, bucket_cap_mb: float) -> dict[str, Any]:
     model = bench.model
     # The layers and placement of the full preconditioner, run by an engine
     # with the probe's communicator.
+    # The original defaults (updates every step, damping and the 'kl' clip
+    # at 0.001) unless the benchmark's options say otherwise, as before
+    # they changed.
     full = KFACPreconditioner(
-        model, lr=0.01, skip_layers=bench.skip_layers, **bench.kfac_options
+        model,
+        lr=0.01,
+        skip_layers=bench.skip_layers,
+        **{**ORIGINAL_DEFAULTS, **bench.kfac_options},
     )
     full.remove()
     comm = _Stamping(bucket_cap_mb)
@@ -60,7 +67,10 @@ def _probe(name: str, bucket_cap_mb: float) -> dict[str, Any]:
         assignment=full.assignment,
         hyperparameters=full.hyperparameters,
         communicator=comm,
-        options=EngineOptions(bucketed=bucket_cap_mb > 0),
+        options=EngineOptions(
+            bucketed=bucket_cap_mb > 0,
+            kl_clip_rule=full.options.kl_clip_rule,
+        ),
     )
     loss = bench.loss(model(bench.inputs[0]), bench.target[0])
     loss.backward()

@@ -114,7 +114,7 @@ def cnn(seed: int = 0) -> Workload:
         F.cross_entropy,
         lambda: accuracy(2000),
         lambda score: False,  # run the whole epoch
-        {'damping': 0.003, 'kl_clip': 1e-4, 'lr': 0.1},
+        {'damping': 0.003, 'kl_clip': 1e-4, 'kl_clip_rule': 'kl', 'lr': 0.1},
     )
     workload.full_score = lambda: accuracy(len(data.test_labels))  # type: ignore[attr-defined]  # this benchmark's extra score
     return workload

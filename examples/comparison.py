@@ -20,6 +20,7 @@ OPTIMIZERS = {
     'sgd': 'SGD + momentum',
     'adam': 'Adam',
     'kfac': 'SGD + momentum + K-FAC',
+    'kfac-defaults': 'SGD + K-FAC (defaults)',
 }
 
 

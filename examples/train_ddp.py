@@ -111,6 +111,8 @@ def build_kfac(
         factor_update_steps=args.factor_update_steps,
         inv_update_steps=args.inv_update_steps,
         damping=args.damping,
+        kl_clip=0.001,
+        kl_clip_rule='kl',
         compute_method=args.compute_method,
         grad_worker_fraction=strategy,
         optimizer=optimizer,

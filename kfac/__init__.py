@@ -40,6 +40,7 @@ from kfac.enums import AllreduceMethod
 from kfac.enums import AssignmentStrategy
 from kfac.enums import ComputeMethod
 from kfac.enums import DistributedStrategy
+from kfac.hyperparams import ORIGINAL_DEFAULTS
 from kfac.optimizer import KFACOptimizer
 from kfac.preconditioner import KFACPreconditioner
 from kfac.scheduler import LambdaParamScheduler
@@ -48,6 +49,7 @@ from kfac.tracing import PhaseTimer
 __version__ = '0.1.0'
 
 __all__ = [
+    'ORIGINAL_DEFAULTS',
     'AllreduceMethod',
     'AssignmentStrategy',
     'BaseKFACPreconditioner',

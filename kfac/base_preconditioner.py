@@ -116,6 +116,7 @@ class BaseKFACPreconditioner:
         check_grad_scaler(grad_scaler)
         self.hyperparameters = hyperparameters or Hyperparameters()
         self.options = options or EngineOptions()
+        self.hyperparameters.check_clip_rule(self.options.kl_clip_rule)
         self._layers = dict(layers)
         self.assignment = assignment
         self.communicator = communicator or TorchDistributedCommunicator()

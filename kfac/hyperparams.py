@@ -14,10 +14,13 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import warnings
 from collections.abc import Callable
 from collections.abc import Mapping
 from collections.abc import Sequence
 from typing import Any
+from typing import Final
+from typing import TypedDict
 
 import torch
 
@@ -32,12 +35,40 @@ OptionalFloatParam = float | None | Callable[[int], float | None]
 """A float hyperparameter that None disables, or a schedule returning one."""
 
 __all__ = [
+    'ORIGINAL_DEFAULTS',
     'HyperparameterValues',
     'Hyperparameters',
     'OptimizerLR',
+    'OriginalDefaults',
     'check_optimizers',
     'exp_decay_factor_averaging',
 ]
+
+
+class OriginalDefaults(TypedDict):
+    """The keyword arguments of `ORIGINAL_DEFAULTS`."""
+
+    factor_update_steps: int
+    inv_update_steps: int
+    damping: float
+    kl_clip: float
+    kl_clip_rule: str
+
+
+ORIGINAL_DEFAULTS: Final[OriginalDefaults] = {
+    'factor_update_steps': 1,
+    'inv_update_steps': 1,
+    'damping': 0.001,
+    'kl_clip': 0.001,
+    'kl_clip_rule': 'kl',
+}
+"""The original KAISA code's defaults that differ from this library's:
+`KFACPreconditioner(model, **ORIGINAL_DEFAULTS)` behaves as the
+constructor with nothing set did in version 0.1.0, before the defaults
+changed. The factors here are per-example averages, so these values do not
+mean what they meant in the original (see the tuning guide's migration
+section). Change a copy, not the mapping itself:
+`ORIGINAL_DEFAULTS | {'damping': 0.01}`."""
 
 OptimizerLike = torch.optim.Optimizer | Sequence[torch.optim.Optimizer]
 """An optimizer, or a sequence of them (say Muon on the matrices and AdamW
@@ -172,6 +203,25 @@ class Hyperparameters:
                 and not callable(getattr(self, key))
             }
         )
+
+    def check_clip_rule(self, rule: str) -> None:
+        """Warn when `kl_clip` looks like a `'kl'` bound under `'relative'`.
+
+        A constant `kl_clip` below 0.1 with `rule='relative'` would cap
+        every step at a tenth of the raw gradient's length or less: almost
+        always a value meant for the original's `'kl'` rule (its default
+        was 0.001) carried over without `kl_clip_rule='kl'`.
+        """
+        clip = self.kl_clip
+        if rule == 'relative' and isinstance(clip, float) and clip < 0.1:
+            warnings.warn(
+                f"kl_clip={clip:g} with kl_clip_rule='relative' caps the "
+                f'preconditioned gradient at {clip:g} times the raw '
+                "gradient's length; for the original's KL-divergence bound "
+                "pass kl_clip_rule='kl' too",
+                UserWarning,
+                stacklevel=4,
+            )
 
     def constants(self) -> dict[str, float | int | None]:
         """The hyperparameters that are not schedules, by name."""

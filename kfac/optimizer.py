@@ -8,7 +8,7 @@ unscale and clip the gradients before its `step()`, so K-FAC sees the
 gradients the base optimizer would have seen.
 
 ```python
-preconditioner = kfac.KFACPreconditioner(model, kl_clip_rule='relative')
+preconditioner = kfac.KFACPreconditioner(model)
 sgd = torch.optim.SGD(model.parameters(), lr=0.1)
 optimizer = kfac.KFACOptimizer(sgd, preconditioner)
 ```

@@ -101,7 +101,12 @@ def train(model_kind: str, steps: int) -> None:
     preconditioner = None
     if model_kind != 'fsdp-no-kfac':
         preconditioner = KFACPreconditioner(
-            model, factor_update_steps=1, inv_update_steps=2
+            model,
+            factor_update_steps=1,
+            inv_update_steps=2,
+            damping=0.001,
+            kl_clip=0.001,
+            kl_clip_rule='kl',
         )
     generator = torch.Generator().manual_seed(dist.get_rank())
     for _ in range(steps):

@@ -1,22 +1,82 @@
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from typing import Any
 
 import pytest
 
+from kfac.hyperparams import ORIGINAL_DEFAULTS
 from kfac.hyperparams import Hyperparameters
 from kfac.hyperparams import HyperparameterValues
 from kfac.hyperparams import exp_decay_factor_averaging
 
 
-def test_defaults_match_the_original_kaisa_defaults() -> None:
+def test_defaults_are_the_studys_choice() -> None:
+    # the values the time-to-target study chose (docs/study.md): updates
+    # every 10/100 steps, damping 0.003, the relative clip at 1
     hp = Hyperparameters()
     assert hp.at(0) == hp.at(7)
     resolved = hp.at(0)
+    assert (resolved.factor_update_steps, resolved.inv_update_steps) == (
+        10,
+        100,
+    )
+    assert (resolved.damping, resolved.factor_decay) == (0.003, 0.95)
+    assert (resolved.kl_clip, resolved.lr) == (1.0, 0.1)
+
+
+def test_original_defaults_give_the_original_kaisa_defaults() -> None:
+    assert dict(ORIGINAL_DEFAULTS) == {
+        'factor_update_steps': 1,
+        'inv_update_steps': 1,
+        'damping': 0.001,
+        'kl_clip': 0.001,
+        'kl_clip_rule': 'kl',
+    }
+    hp = Hyperparameters(
+        factor_update_steps=ORIGINAL_DEFAULTS['factor_update_steps'],
+        inv_update_steps=ORIGINAL_DEFAULTS['inv_update_steps'],
+        damping=ORIGINAL_DEFAULTS['damping'],
+        kl_clip=ORIGINAL_DEFAULTS['kl_clip'],
+    )
+    resolved = hp.at(0)
     assert (resolved.factor_update_steps, resolved.inv_update_steps) == (1, 1)
-    assert (resolved.damping, resolved.factor_decay) == (0.001, 0.95)
-    assert (resolved.kl_clip, resolved.lr) == (0.001, 0.1)
+    assert (resolved.damping, resolved.kl_clip) == (0.001, 0.001)
+
+
+@pytest.mark.parametrize(
+    ('kl_clip', 'rule', 'warns'),
+    [
+        (0.001, 'relative', True),
+        (0.0999, 'relative', True),
+        (0.1, 'relative', False),
+        (1.0, 'relative', False),
+        (None, 'relative', False),
+        (0.001, 'kl', False),
+    ],
+)
+def test_a_tiny_relative_clip_warns(
+    kl_clip: float | None, rule: str, warns: bool
+) -> None:
+    hp = Hyperparameters(kl_clip=kl_clip)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter('always')
+        hp.check_clip_rule(rule)
+    messages = [str(w.message) for w in caught]
+    if warns:
+        assert len(messages) == 1
+        assert (
+            f"kl_clip={kl_clip:g} with kl_clip_rule='relative'"
+            in (messages[0])
+        )
+        assert caught[0].category is UserWarning
+    else:
+        assert messages == []
+    # a schedule is not judged at construction
+    with warnings.catch_warnings():
+        warnings.simplefilter('error')
+        Hyperparameters(kl_clip=lambda s: 0.001).check_clip_rule(rule)
 
 
 def test_constants_excludes_schedules() -> None:
@@ -66,11 +126,11 @@ def test_at_returns_hyperparameter_values() -> None:
     assert isinstance(values, HyperparameterValues)
     assert values.lr == pytest.approx(0.3)
     assert dataclasses.asdict(values) == {
-        'factor_update_steps': 1,
-        'inv_update_steps': 1,
-        'damping': 0.001,
+        'factor_update_steps': 10,
+        'inv_update_steps': 100,
+        'damping': 0.003,
         'factor_decay': 0.95,
-        'kl_clip': 0.001,
+        'kl_clip': 1.0,
         'lr': values.lr,
         'lrs': None,  # one lr for every layer: no OptimizerLR
     }

@@ -16,6 +16,7 @@ from torch import nn
 
 from kfac.base_preconditioner import BaseKFACPreconditioner
 from kfac.config import EngineOptions
+from kfac.hyperparams import ORIGINAL_DEFAULTS
 from kfac.preconditioner import KFACPreconditioner
 from testing.asserts import assert_rel_close
 from testing.asserts import relative_error
@@ -24,6 +25,7 @@ from testing.models import BranchNet
 from testing.models import TinyCNN
 from testing.models import TinyMLP
 from testing.models import classification_data
+from testing.options import EVERY_STEP
 from testing.reference import grad_matrix
 
 F64 = torch.float64
@@ -58,12 +60,18 @@ def train(
 
 @pytest.mark.parametrize('method', ['eigen', 'inverse'])
 def test_kfac_decreases_the_loss_faster_than_sgd(method: str) -> None:
-    """The seed's end-to-end check: K-FAC trains a small CNN."""
+    """The seed's end-to-end check: K-FAC trains a small CNN (with the
+    original's every-step updates and KL clip, as the seed had them).
+    """
     torch.manual_seed(0)
     model = TinyCNN().double()
     baseline = copy.deepcopy(model)
     x, y = classification_data(64, (2, 8, 8), seed=99)
-    precon = KFACPreconditioner(model, compute_method=method, damping=0.01)
+    precon = KFACPreconditioner(
+        model,
+        compute_method=method,
+        **(ORIGINAL_DEFAULTS | {'damping': 0.01}),
+    )
     opt_k = torch.optim.SGD(model.parameters(), lr=0.1)
     opt_s = torch.optim.SGD(baseline.parameters(), lr=0.1)
     first = float(F.cross_entropy(model(x), y))
@@ -155,7 +163,7 @@ def test_module_that_did_not_run_keeps_its_gradient(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     model = BranchNet().double()
-    precon = KFACPreconditioner(model)
+    precon = KFACPreconditioner(model, **EVERY_STEP)
     x = torch.randn(5, 4, dtype=F64)
     with caplog.at_level(logging.WARNING, logger='kfac'):
         for _ in range(3):
@@ -269,7 +277,7 @@ class _Scaler:
 def test_grad_scaler_object_is_read_once_per_step() -> None:
     model = TinyMLP().double()
     scaler = _Scaler(8.0)
-    precon = KFACPreconditioner(model, grad_scaler=scaler)
+    precon = KFACPreconditioner(model, grad_scaler=scaler, **EVERY_STEP)
     for step in range(3):
         model.zero_grad()
         backward(model, seed=step)
@@ -387,7 +395,9 @@ def test_bfloat16_model_is_preconditioned_like_its_float64_twin() -> None:
 def test_loss_decreases_for_bfloat16_model() -> None:
     torch.manual_seed(0)
     model = TinyMLP().to(torch.bfloat16)
-    precon = KFACPreconditioner(model, damping=0.01)
+    precon = KFACPreconditioner(
+        model, **(ORIGINAL_DEFAULTS | {'damping': 0.01})
+    )
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     x, y = classification_data(64, (6,), dtype=torch.bfloat16)
     losses = []

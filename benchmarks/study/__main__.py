@@ -273,6 +273,12 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         document['runs'], document['higher_is_better']
     )
     print(analysis.markdown_own(own, document['metric']))
+    checked = analysis.defaults_check(
+        document['runs'], document['higher_is_better'], DEFAULTS
+    )
+    if checked:
+        print()
+        print(analysis.markdown_defaults(checked, document['metric']))
     plot(document, summary, out.with_suffix('.png'))
     return summary
 

@@ -193,3 +193,111 @@ def markdown_own(summaries: dict[str, dict[str, Any]], metric: str) -> str:
                 f'| {r["reached"]}/{r["seeds"]} |'
             )
     return '\n'.join(lines)
+
+
+def defaults_check(
+    runs: Sequence[dict[str, Any]],
+    higher_is_better: bool,
+    variant: str = 'defaults',
+) -> list[dict[str, Any]]:
+    """K-FAC with `variant` against each optimizer alone at its best lr.
+
+    For each optimizer with runs alone and runs with `variant` at the
+    learning rate whose median final metric is the optimizer's best: both
+    medians and spreads (max - min over seeds); `no_worse`, whether
+    K-FAC's median is no worse than the optimizer's by more than the
+    larger of the two spreads; and the median steps and CPU seconds each
+    takes to reach the optimizer's own median final metric, with K-FAC's
+    CPU time as a multiple of the optimizer's (`time_ratio`).
+    """
+    grouped = groups(runs)
+    sign = 1.0 if higher_is_better else -1.0
+    out = []
+    for name in dict.fromkeys(run['optimizer'] for run in runs):
+        alone = {
+            label: rows
+            for label, rows in grouped.items()
+            if rows[0]['optimizer'] == name and rows[0]['kfac'] is None
+        }
+        if not alone:
+            continue
+        finals = {
+            label: [_final(r, higher_is_better) for r in rows]
+            for label, rows in alone.items()
+        }
+        best = max(alone, key=lambda label: sign * _median(finals[label]))
+        lr = alone[best][0]['lr']
+        kfac = [
+            r
+            for r in runs
+            if r['optimizer'] == name
+            and r['kfac'] == variant
+            and r['lr'] == lr
+        ]
+        if not kfac:
+            continue
+        kfac_finals = [_final(r, higher_is_better) for r in kfac]
+        target = _median(finals[best])
+        spread = max(
+            max(finals[best]) - min(finals[best]),
+            max(kfac_finals) - min(kfac_finals),
+        )
+        own = [reach(r, target, higher_is_better) for r in alone[best]]
+        with_kfac = [reach(r, target, higher_is_better) for r in kfac]
+        own_cpu = _median([r[2] for r in own])
+        kfac_cpu = _median([r[2] for r in with_kfac])
+        out.append(
+            {
+                'optimizer': name,
+                'lr': lr,
+                'alone_seeds': len(finals[best]),
+                'alone_median': target,
+                'alone_spread': max(finals[best]) - min(finals[best]),
+                'kfac_seeds': len(kfac_finals),
+                'kfac_median': _median(kfac_finals),
+                'kfac_spread': max(kfac_finals) - min(kfac_finals),
+                'allowed': spread,
+                'no_worse': sign * (_median(kfac_finals) - target) >= -spread,
+                'alone_steps': _median([r[0] for r in own]),
+                'kfac_steps': _median([r[0] for r in with_kfac]),
+                'alone_cpu_seconds': own_cpu,
+                'kfac_cpu_seconds': kfac_cpu,
+                'time_ratio': kfac_cpu / own_cpu
+                if math.isfinite(own_cpu) and own_cpu > 0
+                else math.nan,
+                'alone_cpu_ms_per_step': 1000
+                * _median([r['cpu_seconds_per_step'] for r in alone[best]]),
+                'kfac_cpu_ms_per_step': 1000
+                * _median([r['cpu_seconds_per_step'] for r in kfac]),
+            }
+        )
+    return out
+
+
+def markdown_defaults(rows: Sequence[dict[str, Any]], metric: str) -> str:
+    """The rows of `defaults_check` as a Markdown table."""
+    lines = [
+        f'| optimizer, its best lr | alone: final {metric}, median '
+        '(spread), seeds | + K-FAC defaults: final, median (spread), seeds '
+        '| no worse (by at most the larger spread) | steps to the '
+        "optimizer's final: alone / K-FAC | CPU s to it: alone / K-FAC "
+        '| K-FAC time / alone | CPU ms/step: alone / K-FAC |',
+        '| --- | --- | --- | --- | --- | --- | --- | --- |',
+    ]
+    for r in rows:
+        lines.append(
+            f'| {r["optimizer"]} lr={r["lr"]:g} '
+            f'| {_number(r["alone_median"], 4)} '
+            f'({_number(r["alone_spread"], 2)}), {r["alone_seeds"]} '
+            f'| {_number(r["kfac_median"], 4)} '
+            f'({_number(r["kfac_spread"], 2)}), {r["kfac_seeds"]} '
+            f'| {"yes" if r["no_worse"] else "**no**"} '
+            f'| {_number(r["alone_steps"], 4)} / '
+            f'{_number(r["kfac_steps"], 4)} '
+            f'| {_number(r["alone_cpu_seconds"])} / '
+            f'{_number(r["kfac_cpu_seconds"])} '
+            f'| {_number(r["time_ratio"], 2)} '
+            f'| {r["alone_cpu_ms_per_step"]:.1f} / '
+            f'{r["kfac_cpu_ms_per_step"]:.1f} |'
+        )
+    return '\n'.join(lines)

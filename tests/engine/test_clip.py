@@ -95,8 +95,8 @@ def test_kl_rule_ignores_the_lr_once_active() -> None:
     """The original rule: an active clip makes the step independent of the
     learning rate (what the relative rule fixes).
     """
-    full = _change(0.2, kl_clip=1e-6)
-    half = _change(0.1, kl_clip=1e-6)
+    full = _change(0.2, kl_clip=1e-6, kl_clip_rule='kl')
+    half = _change(0.1, kl_clip=1e-6, kl_clip_rule='kl')
     for a, b in zip(full, half):
         torch.testing.assert_close(a, b, rtol=1e-12, atol=0.0)
 
@@ -124,7 +124,7 @@ def _preconditioned(
 
 def test_kl_rule_is_the_original_formula_bitwise() -> None:
     _, unclipped, raw = _preconditioned(None)
-    _, clipped, _ = _preconditioned(0.001, lr=0.1)
+    _, clipped, _ = _preconditioned(0.001, lr=0.1, kl_clip_rule='kl')
     vg = torch.stack(
         [torch.vdot(unclipped[n].reshape(-1), raw[n].reshape(-1)) for n in raw]
     )
@@ -179,7 +179,9 @@ def test_an_lr_schedule_on_the_optimizer_reaches_the_clip(
     model = _model()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.4)
     schedule = torch.optim.lr_scheduler.StepLR(optimizer, 1, gamma=0.5)
-    precon = KFACPreconditioner(model, optimizer=optimizer, kl_clip=1e-3)
+    precon = KFACPreconditioner(
+        model, optimizer=optimizer, kl_clip=1e-3, kl_clip_rule='kl'
+    )
     for step in range(3):
         _step(model, precon, optimizer, step)
         assert precon.lr == optimizer.param_groups[0]['lr']
@@ -199,7 +201,9 @@ def test_each_layer_takes_its_groups_lr() -> None:
             {'params': fc2.parameters(), 'lr': 0.1},
         ]
     )
-    precon = KFACPreconditioner(model, optimizer=optimizer, kl_clip=1e-4)
+    precon = KFACPreconditioner(
+        model, optimizer=optimizer, kl_clip=1e-4, kl_clip_rule='kl'
+    )
     values = precon.hyperparameter_values()
     assert values.lrs == {'fc1': 0.3, 'fc2': 0.1}
     assert values.lr == 0.3
@@ -298,7 +302,7 @@ def test_an_over_clipped_run_warns_once(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     with caplog.at_level(logging.WARNING, logger='kfac'):
-        precon = _train(99, kl_clip=1e-9, damping=0.01)
+        precon = _train(99, kl_clip=1e-9, damping=0.01, kl_clip_rule='kl')
         assert _warnings(caplog, HELD_BACK) == 0  # 99 steps: not yet
         for step in range(30):
             x, y = _data(step % 4)
@@ -311,7 +315,10 @@ def test_an_over_clipped_run_warns_once(
 def test_a_run_with_tiny_updates_warns_once(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    with caplog.at_level(logging.WARNING, logger='kfac'):
+    with (
+        caplog.at_level(logging.WARNING, logger='kfac'),
+        pytest.warns(UserWarning, match='kl_clip=1e-09 with kl_clip_rule'),
+    ):
         _train(130, kl_clip=1e-9, kl_clip_rule='relative', damping=0.01)
     assert _warnings(caplog, SHORT) == 1
     assert _warnings(caplog, HELD_BACK) == 0  # the rule keeps the lr's role

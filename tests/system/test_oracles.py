@@ -270,6 +270,7 @@ def test_kl_clip_equals_formula(
         model,
         compute_method=method,
         kl_clip=kl_clip,
+        kl_clip_rule='kl',
         lr=lr,
     )
     F.cross_entropy(model(x), y).backward()
@@ -292,6 +293,7 @@ def test_running_average_over_steps(
     decay = 0.7
     precon = KFACPreconditioner(
         model,
+        factor_update_steps=1,
         factor_decay=decay,
         update_factors_in_hook=in_hook,
     )

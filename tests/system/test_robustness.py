@@ -24,6 +24,7 @@ from kfac.layers.decomposition import LinAlgError
 from kfac.preconditioner import KFACPreconditioner
 from testing.models import TinyMLP
 from testing.models import classification_data
+from testing.options import EVERY_STEP
 from testing.reference import grad_matrix
 
 F64 = torch.float64
@@ -66,7 +67,9 @@ def test_nonfinite_batch_is_discarded(
     device: torch.device,
 ) -> None:
     model = TinyMLP().to(device, F64)
-    precon = KFACPreconditioner(model, update_factors_in_hook=in_hook)
+    precon = KFACPreconditioner(
+        model, update_factors_in_hook=in_hook, **EVERY_STEP
+    )
     good_step(model, precon, 0)
     before = snapshot(precon)
     model.zero_grad()
@@ -125,7 +128,7 @@ def test_grad_scaler_overflow_leaves_factors_untouched(
     model = TinyMLP().to(device)
     scaler = torch.amp.GradScaler(device.type, init_scale=2.0**127)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    precon = KFACPreconditioner(model, grad_scaler=scaler)
+    precon = KFACPreconditioner(model, grad_scaler=scaler, **EVERY_STEP)
     x, y = batch(8, (6,), device, dtype=torch.float32)
 
     def step() -> None:
@@ -233,7 +236,7 @@ def test_failed_decomposition_keeps_the_last_good_one(
     device: torch.device,
 ) -> None:
     model = TinyMLP().to(device, F64)
-    precon = KFACPreconditioner(model, compute_method=method)
+    precon = KFACPreconditioner(model, compute_method=method, **EVERY_STEP)
     good_step(model, precon, 0)
     kept = {n: layer.g.decomposition for n, layer in precon.layers.items()}
     module, attr = (

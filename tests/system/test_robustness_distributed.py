@@ -21,6 +21,7 @@ from testing.distributed import DistributedTestError
 from testing.distributed import run_distributed
 from testing.models import TinyMLP
 from testing.models import classification_data
+from testing.options import EVERY_STEP
 
 
 def _step(
@@ -48,7 +49,9 @@ def _gathered(tensor: torch.Tensor) -> list[torch.Tensor]:
 def nonfinite_on_one_rank() -> None:
     torch.manual_seed(0)
     model = TinyMLP().double()
-    precon = KFACPreconditioner(model, grad_worker_fraction='mem_opt')
+    precon = KFACPreconditioner(
+        model, grad_worker_fraction='mem_opt', **EVERY_STEP
+    )
     _step(model, precon, 0)
     before = [
         f.value.clone()  # type: ignore[union-attr]  # a step above formed the factors
