@@ -182,6 +182,87 @@ def test_the_best_baseline_and_the_time_to_its_final_metric() -> None:
     assert 'never' in table
 
 
+def test_the_defaults_against_each_optimizer_at_its_best_lr() -> None:
+    def at(run: dict[str, object], lr: float) -> dict[str, object]:
+        return {**run, 'lr': lr, 'label': f'{run["label"]} lr={lr}'}
+
+    # SGD alone: lr 0.1 ends at 80, 82, 84 (median 82, spread 4) and lr
+    # 0.2 at 70: 0.1 is its best. K-FAC with the defaults at 0.1 ends at
+    # 79, 79.5, 80 (median 79.5, spread 1): 2.5 worse, within 4.
+    runs = [
+        at(_run('sgd', None, s, [(0, 10), (4, 80 + 2 * s)]), 0.1)
+        for s in range(3)
+    ]
+    runs += [at(_run('sgd', None, 0, [(0, 10), (4, 70)]), 0.2)]
+    runs += [
+        at(
+            _run('sgd+defaults', 'defaults', s, [(0, 10), (4, 79 + s / 2)]),
+            0.1,
+        )
+        for s in range(3)
+    ]
+    # K-FAC at a learning rate SGD is not best at is not compared.
+    runs += [at(_run('sgd+defaults', 'defaults', 0, [(0, 10), (4, 99)]), 0.2)]
+    # AdamW alone at 0.1 ends at 70 (one seed); with the defaults it gets
+    # there at step 1 and ends at 60 on one seed and 75 on the other
+    # (median 67.5, spread 15 allows it).
+    runs += [at(_run('adamw', None, 0, [(0, 10), (4, 70)]), 0.1)]
+    runs += [
+        at(_run('adamw+defaults', 'defaults', 0, [(0, 10), (4, 60)]), 0.1),
+        at(
+            _run('adamw+defaults', 'defaults', 1, [(0, 10), (1, 71), (4, 75)]),
+            0.1,
+        ),
+    ]
+    # Muon alone has no defaults run: no row.
+    runs += [at(_run('muon', None, 0, [(0, 10), (4, 70)]), 0.1)]
+    rows = {
+        r['optimizer']: r
+        for r in analysis.defaults_check(runs, higher_is_better=True)
+    }
+    assert set(rows) == {'sgd', 'adamw'}
+    sgd = rows['sgd']
+    assert (sgd['lr'], sgd['alone_median'], sgd['kfac_median']) == (
+        0.1,
+        82,
+        79.5,
+    )
+    assert (sgd['alone_spread'], sgd['kfac_spread'], sgd['allowed']) == (
+        4,
+        1,
+        4,
+    )
+    assert sgd['no_worse']
+    # SGD reaches 82 at step 4 on seeds 1 and 2; K-FAC never does.
+    assert (sgd['alone_steps'], sgd['kfac_steps']) == (4, math.inf)
+    assert sgd['time_ratio'] == math.inf
+    adamw = rows['adamw']
+    assert adamw['no_worse'] and adamw['allowed'] == 15
+    # K-FAC: step 1 on seed 1, never on seed 0: the median of (1, inf).
+    assert adamw['kfac_steps'] == math.inf
+    # One point further below the allowance is worse.
+    worse = [
+        {**r, 'final': 77.0, 'evals': [(0, 0.0, 10.0, 0.0), (4, 4.0, 77.0, 2)]}
+        if r['kfac'] == 'defaults' and r['optimizer'] == 'sgd'
+        else r
+        for r in runs
+    ]
+    checked = analysis.defaults_check(worse, higher_is_better=True)
+    assert not checked[0]['no_worse']
+    text = analysis.markdown_defaults(checked, 'accuracy')
+    assert text.splitlines()[2] == (
+        '| sgd lr=0.1 | 82 (4), 3 | 77 (0), 3 | **no** | 4 / never '
+        '| 2 / never | never | 500.0 / 500.0 |'
+    )
+    # Lower is better: a loss of 1.0 against 1.1 alone is no worse.
+    low = [
+        at(_run('adamw', None, 0, [(0, 3.0), (4, 1.1)]), 0.1),
+        at(_run('adamw+defaults', 'defaults', 0, [(0, 3.0), (2, 1.0)]), 0.1),
+    ]
+    (row,) = analysis.defaults_check(low, higher_is_better=False)
+    assert row['no_worse'] and row['time_ratio'] == 2 / 4
+
+
 def test_lower_is_better_and_no_baseline() -> None:
     runs = [
         _run('adamw lr=0.1', None, 0, [(0, 3.0), (5, 1.5)]),
