@@ -46,9 +46,10 @@ GRIDS: dict[str, dict[str, list[float]]] = {
         'muon': [0.0025, 0.005, 0.01, 0.02],
     },
     'autoencoder': {
-        'sgd': [0.005, 0.01, 0.02, 0.04],
-        'adamw': [0.00025, 0.0005, 0.001, 0.002],
-        'muon': [0.00025, 0.0005, 0.001, 0.002],
+        # (extended upwards while the best was at the edge)
+        'sgd': [0.005 * 2**k for k in range(10)],  # up to 2.56
+        'adamw': [0.00025 * 2**k for k in range(6)],  # up to 0.008
+        'muon': [0.00025 * 2**k for k in range(6)],
     },
 }
 """The learning rates of each optimizer, a factor of 2 apart."""
