@@ -13,6 +13,10 @@ of validation loss against steps and against wall-clock time::
     python -m examples.char_lm                      # the demo
     python -m examples.char_lm --steps 300 --optimizers kfac
     python -m examples.char_lm --corpus my_text.txt # any UTF-8 text
+    python -m examples.char_lm --optimizers adamw kfac kfac-defaults
+
+``kfac-defaults`` is AdamW + K-FAC with the library's defaults:
+``KFACPreconditioner(model, optimizer=optimizer)`` and nothing else set.
 
 Data: ``examples/corpus/kjv.txt.gz``, the King James Version (public
 domain) as Debian's ``bible-kjv-text`` 4.38 ships it, one verse per line
@@ -51,7 +55,11 @@ CORPUS = pathlib.Path(__file__).parent / 'corpus' / 'kjv.txt.gz'
 #: Held-out blocks: every ``HOLD_OUT``-th block of ``BLOCK`` characters.
 BLOCK, HOLD_OUT = 8192, 10
 #: The runs this script compares, by command-line name.
-OPTIMIZERS = {'adamw': 'AdamW', 'kfac': 'AdamW + K-FAC'}
+OPTIMIZERS = {
+    'adamw': 'AdamW',
+    'kfac': 'AdamW + K-FAC',
+    'kfac-defaults': 'AdamW + K-FAC (defaults)',
+}
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -241,6 +249,9 @@ def train_one(name: str, corpus: Corpus, args: argparse.Namespace) -> History:
     )
     lr_scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule(args))
     kfac = build_kfac(model, optimizer, args) if name == 'kfac' else None
+    if name == 'kfac-defaults':
+        # what a user adds to a working AdamW loop: nothing but the optimizer
+        kfac = KFACPreconditioner(model, optimizer=optimizer)
     generator = torch.Generator().manual_seed(args.seed)
     held_out = windows(
         corpus.valid,
@@ -290,14 +301,14 @@ def format_history(history: History) -> str:
 def format_summary(histories: Sequence[History], target: float) -> str:
     """Per run: final loss, time, and steps and seconds to ``target``."""
     lines = [
-        f'{"optimizer":<14} {"final val":>9} {"time (s)":>9} '
+        f'{"optimizer":<24} {"final val":>9} {"time (s)":>9} '
         f'{"to " + format(target, ".4f"):>17}',
     ]
     for h in histories:
         reached = h.reaching(target)
         shown = f'step {reached[0]}, {reached[1]:.1f} s' if reached else '-'
         lines.append(
-            f'{h.label:<14} {h.val_loss[-1]:>9.4f} {h.seconds[-1]:>9.1f} '
+            f'{h.label:<24} {h.val_loss[-1]:>9.4f} {h.seconds[-1]:>9.1f} '
             f'{shown:>17}'
         )
     return '\n'.join(lines)

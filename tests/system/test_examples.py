@@ -116,7 +116,7 @@ def test_fashion_mnist_demo(
             data_dir, '--plot', str(plot), '--kfac-inv-update-steps', '1'
         )
     )
-    assert list(histories) == ['sgd', 'adam', 'kfac']
+    assert list(histories) == ['sgd', 'adam', 'kfac', 'kfac-defaults']
     for history in histories.values():
         assert len(history.accuracy) == len(history.seconds) == 2
         assert history.seconds[0] == 0.0 < history.seconds[1]
@@ -128,6 +128,8 @@ def test_fashion_mnist_demo(
     assert len({h.accuracy[0] for h in histories.values()}) == 1
     # K-FAC changed the second step: the mean training losses differ
     assert histories['sgd'].loss[1] != histories['kfac'].loss[1]
+    # with the defaults too: factors and decompositions on step 0
+    assert histories['sgd'].loss[1] != histories['kfac-defaults'].loss[1]
     assert plot.read_bytes()[:8] == b'\x89PNG\r\n\x1a\n'
     out = capsys.readouterr().out
     assert f'plot written to {plot.resolve()}' in out
@@ -379,7 +381,10 @@ def test_char_lm_learns_and_plots(
     assert torch.get_num_threads() == threads  # one thread, then restored
     assert list(histories) == ['adamw', 'kfac']
     adamw, kfac = histories['adamw'], histories['kfac']
-    for h in (adamw, kfac):
+    defaults = char_lm.main(
+        [*LM_QUICK, '--no-plot', '--optimizers', 'kfac-defaults']
+    )['kfac-defaults']
+    for h in (adamw, kfac, defaults):
         assert h.steps == [0, 5, 10]
         assert h.seconds[0] == 0.0 < h.seconds[1] < h.seconds[2]
         # from about ln(63) = 4.14 nats per character; measured: 3.5 and
@@ -387,6 +392,8 @@ def test_char_lm_learns_and_plots(
         assert h.val_loss[-1] < h.val_loss[0] - 0.3
     assert adamw.val_loss[0] == kfac.val_loss[0]  # the same start
     assert adamw.val_loss[1] != kfac.val_loss[1]  # K-FAC changed the steps
+    assert adamw.val_loss[0] == defaults.val_loss[0]
+    assert adamw.val_loss[1] != defaults.val_loss[1]
     assert plot.read_bytes()[:8] == b'\x89PNG\r\n\x1a\n'
     out = capsys.readouterr().out
     assert f'to {adamw.val_loss[-1]:.4f}' in out
