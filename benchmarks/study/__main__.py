@@ -222,6 +222,61 @@ def plot(
     figure.savefig(path, dpi=120)
 
 
+def plot_defaults(
+    document: dict[str, Any],
+    checked: Sequence[dict[str, Any]],
+    path: pathlib.Path,
+) -> None:
+    """One panel per optimizer: every seed of the optimizer alone at its
+    best learning rate (dashed) and with K-FAC's defaults (solid), the
+    metric against training CPU seconds.
+    """
+    import matplotlib
+
+    matplotlib.use('Agg')
+    import matplotlib.pyplot as plt
+
+    figure, axes = plt.subplots(
+        1, len(checked), figsize=(4 * len(checked), 4), squeeze=False
+    )
+    for axis, row in zip(axes[0], checked):
+        for kfac, style in ((None, '--'), (DEFAULTS, '-')):
+            runs = [
+                r
+                for r in document['runs']
+                if r['optimizer'] == row['optimizer']
+                and r['kfac'] == kfac
+                and r['lr'] == row['lr']
+            ]
+            for i, run in enumerate(runs):
+                steps = [e for e in run['evals'] if e[0] > 0]
+                axis.plot(
+                    [e[3] for e in steps],
+                    [e[2] for e in steps],
+                    linestyle=style,
+                    color='C1' if kfac else 'C0',
+                    label=(
+                        None
+                        if i
+                        else ('+ K-FAC defaults' if kfac else 'alone')
+                    ),
+                )
+        axis.axhline(row['alone_median'], color='grey', linewidth=0.8)
+        axis.set_title(f'{row["optimizer"]}, lr {row["lr"]:g}', fontsize=9)
+        axis.set_xlabel('training CPU seconds')
+        if not document['higher_is_better']:
+            axis.set_yscale('log')
+        axis.legend(fontsize=7)
+    axes[0][0].set_ylabel(document['metric'])
+    figure.suptitle(
+        f'{document["task"]}: each optimizer at its best learning rate, '
+        'alone and with the defaults (every seed)',
+        fontsize=10,
+    )
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+
+
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     """Run what is missing, then print the table and save the plot."""
     args = parse_args(argv)
@@ -280,6 +335,11 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     if checked:
         print()
         print(analysis.markdown_defaults(checked, document['metric']))
+        plot_defaults(
+            document,
+            checked,
+            out.with_name(f'{out.stem}_defaults.png'),
+        )
     plot(document, summary, out.with_suffix('.png'))
     return summary
 
