@@ -11,6 +11,7 @@ import gzip
 import json
 import logging
 import pathlib
+import statistics
 from typing import Any
 
 import numpy as np
@@ -18,6 +19,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from benchmarks import demo_seeds
 from examples import char_lm
 from examples import comparison
 from examples import fashion_mnist
@@ -421,3 +423,49 @@ def test_char_lm_corpus_split_and_errors(tmp_path: pathlib.Path) -> None:
     assert history.reaching(3.0) == (5, 1)
     assert history.reaching(2.0) is None
     assert '-' in char_lm.format_summary([history], 2.0).splitlines()[1]
+
+
+def test_demo_seeds_reports_the_defaults_against_sgd(
+    tmp_path: pathlib.Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    data_dir = write_idx_dir(tmp_path / 'idx', train=32, test=20)
+    out = tmp_path / 'demo.json'
+    threads = torch.get_num_threads()
+    try:
+        document = demo_seeds.main(
+            [
+                '--seeds',
+                '0',
+                '1',
+                '--optimizers',
+                'sgd',
+                'kfac-defaults',
+                '--out',
+                str(out),
+                *_demo_args(data_dir),
+            ]
+        )
+    finally:
+        torch.set_num_threads(threads)
+    assert json.loads(out.read_text()) == json.loads(json.dumps(document))
+    assert list(document['seeds']) == ['0', '1']
+    runs = document['seeds']['0']
+    assert list(runs) == ['sgd', 'kfac-defaults']
+    assert len(runs['sgd']['accuracy']) == 2  # before and after one epoch
+    text = capsys.readouterr().out
+    # the median of the two seeds' accuracies after epoch 1, per optimizer
+    for name, label in (
+        ('sgd', 'SGD + momentum'),
+        ('kfac-defaults', 'SGD + K-FAC (defaults)'),
+    ):
+        median = statistics.median(
+            document['seeds'][s][name]['accuracy'][1] for s in ('0', '1')
+        )
+        assert f'| {label} | {100 * median:.2f} |' in text
+    ok = statistics.median(
+        document['seeds'][s]['kfac-defaults']['accuracy'][1]
+        for s in ('0', '1')
+    ) >= statistics.median(
+        document['seeds'][s]['sgd']['accuracy'][1] for s in ('0', '1')
+    )
+    assert f'after every epoch: {"yes" if ok else "no"}' in text
