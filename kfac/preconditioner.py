@@ -53,7 +53,9 @@ class KFACPreconditioner(BaseKFACPreconditioner):
     on any number of ranks. The options are validated by
     [`Hyperparameters`][kfac.hyperparams.Hyperparameters] (the schedulable
     ones) and [`KFACConfig`][kfac.config.KFACConfig] (the others),
-    which `config` holds.
+    which `config` holds. The defaults are the time-to-target study's;
+    [`ORIGINAL_DEFAULTS`][kfac.hyperparams.ORIGINAL_DEFAULTS] holds the
+    original KAISA code's (`KFACPreconditioner(model, **ORIGINAL_DEFAULTS)`).
 
     Args:
         model: the model (`DistributedDataParallel` and `torch.compile`
@@ -135,12 +137,12 @@ class KFACPreconditioner(BaseKFACPreconditioner):
             learning rate is then read at every step from the param group
             holding each registered weight (see
             [`OptimizerLR`][kfac.hyperparams.OptimizerLR]). Not with `lr`.
-        kl_clip_rule: `'kl'` (the original rule: the step's KL divergence
-            is at most `κ/2`; once active, the step no longer depends on
-            the learning rate) or `'relative'` (the preconditioned
-            gradient is at most `κ` times as long as the raw one, so the
-            step always scales with the learning rate); the formulas are in
-            [`kfac.math`][kfac.math].
+        kl_clip_rule: `'relative'` (the preconditioned gradient is at
+            most `κ` times as long as the raw one, so the step always
+            scales with the learning rate) or `'kl'` (the original rule:
+            the step's KL divergence is at most `κ/2`; once active, the
+            step no longer depends on the learning rate); the formulas are
+            in [`kfac.math`][kfac.math].
         basis_refresh: how EIGEN and EKFAC refresh their eigenbases:
             `'eigh'` (a full eigendecomposition) or `'qr'` (a few steps of
             orthogonal iteration from the previous basis; see
