@@ -297,6 +297,11 @@ def test_the_command_line_builds_up_a_study(
     summary = study.main(['--task', 'gpt', '--report', '--out', str(out)])
     assert summary['best_baseline'] == 'adamw lr=0.001'
     assert document['runs'][1]['kfac_kwargs'] == study.BASE_KFAC
+    # the defaults against the optimizer alone: a table and a plot
+    study.main(
+        [*argv, '--seeds', '0', '--kfac', 'defaults', '--out', str(out)]
+    )
+    assert out.with_name('study_defaults.png').stat().st_size > 0
 
 
 def test_the_defaults_variant_sets_nothing() -> None:
