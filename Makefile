@@ -54,7 +54,8 @@ pytest: $(STAMP)
 	$(VENV)/bin/coverage combine -q
 	$(VENV)/bin/coverage report
 
-# `make demo`: SGD, Adam and SGD + K-FAC on Fashion-MNIST (examples/README.md).
+# `make demo`: SGD, Adam and SGD + K-FAC (tuned, and with the defaults) on
+# Fashion-MNIST (examples/README.md).
 # `make demo-lm`: a character GPT on the King James Bible (examples/corpus/,
 # committed), AdamW against AdamW + K-FAC.
 # `make integration`: the slow real-data tests that K-FAC beats SGD (Fashion-
