@@ -28,6 +28,7 @@ from torch import nn
 
 from kfac.preconditioner import KFACPreconditioner
 from testing.asserts import assert_rel_close
+from testing.options import EVERY_STEP
 from testing.oracle import ONE_PROCESS
 from testing.oracle import Part
 from testing.oracle import rows
@@ -185,7 +186,7 @@ def check_twins(case: Case, part: Part = ONE_PROCESS) -> int:
     """
     shared, twin = make_twins(case.kind, case.sharers)
     models = [wrap(shared), wrap(twin)]
-    options = {'kl_clip': None, 'damping': 0.01, **case.options}
+    options = {'kl_clip': None, 'damping': 0.01, **EVERY_STEP, **case.options}
     precons = [KFACPreconditioner(m, **options) for m in models]
     others = [f'users.{i}' for i in range(1, case.sharers)]
     entries = precons[0].describe()['preconditioned']

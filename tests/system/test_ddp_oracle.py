@@ -27,6 +27,7 @@ import pytest
 import torch
 
 from kfac.enums import DistributedStrategy
+from kfac.hyperparams import ORIGINAL_DEFAULTS
 from kfac.placement import valid_grad_worker_fractions
 from kfac.preconditioner import KFACPreconditioner
 from testing import oracle
@@ -212,7 +213,8 @@ def train(
     model = (PooledCNN() if special else TinyCNN()).to(device, torch.float64)
     wrapped = oracle.wrap(model)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    options = dict(config)
+    # the original's defaults (every step, the 'kl' clip) unless set
+    options: dict[str, Any] = {**ORIGINAL_DEFAULTS, **config}
     if options.pop('optimizer', False):
         options['optimizer'] = optimizer
     resume = options.pop('resume', False)
