@@ -96,7 +96,7 @@ class KFACConfig:
     allreduce_bucket_cap_mb: float = 25.0
     assignment_strategy: AssignmentStrategy | str = AssignmentStrategy.COMPUTE
     colocate_factors: bool = True
-    compute_method: ComputeMethod | str = ComputeMethod.EIGEN
+    compute_method: ComputeMethod | str = ComputeMethod.INVERSE
     compute_eigenvalue_outer_product: bool = True
     grad_worker_fraction: FractionLike = DistributedStrategy.COMM_OPT
     symmetry_aware: bool = False

@@ -53,6 +53,7 @@ class OriginalDefaults(TypedDict):
     damping: float
     kl_clip: float
     kl_clip_rule: str
+    compute_method: str
 
 
 ORIGINAL_DEFAULTS: Final[OriginalDefaults] = {
@@ -61,6 +62,7 @@ ORIGINAL_DEFAULTS: Final[OriginalDefaults] = {
     'damping': 0.001,
     'kl_clip': 0.001,
     'kl_clip_rule': 'kl',
+    'compute_method': 'eigen',
 }
 """The original KAISA code's defaults that differ from this library's:
 `KFACPreconditioner(model, **ORIGINAL_DEFAULTS)` behaves as the

@@ -79,9 +79,10 @@ class KFACPreconditioner(BaseKFACPreconditioner):
             0 disables bucketing.
         assignment_strategy: cost model balancing inverse workers.
         colocate_factors: decompose a layer's two factors on one rank.
-        compute_method: `'eigen'`, `'inverse'` or `'ekfac'` (EIGEN's
-            eigenbases with the scaling re-estimated from each example's
-            gradient on every factor update; see
+        compute_method: `'inverse'` (factored Tikhonov damping; the
+            default), `'eigen'` (exact damping; the original's default) or
+            `'ekfac'` (EIGEN's eigenbases with the scaling re-estimated
+            from each example's gradient on every factor update; see
             [`kfac.layers.ekfac`][kfac.layers.ekfac]).
         compute_eigenvalue_outer_product: EIGEN: precompute
             `1 / (d_G d_Aᵀ + λ)` at decomposition time; EKFAC: keep
@@ -190,7 +191,7 @@ class KFACPreconditioner(BaseKFACPreconditioner):
         allreduce_bucket_cap_mb: float = 25.0,
         assignment_strategy: AssignmentStrategy | str = 'compute',
         colocate_factors: bool = True,
-        compute_method: ComputeMethod | str = 'eigen',
+        compute_method: ComputeMethod | str = 'inverse',
         compute_eigenvalue_outer_product: bool = True,
         grad_worker_fraction: FractionLike = DistributedStrategy.COMM_OPT,
         symmetry_aware: bool = False,
