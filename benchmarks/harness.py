@@ -62,7 +62,7 @@ LR = 0.01
 KFAC_DEFAULTS: dict[str, Any] = {
     key: value
     for key, value in ORIGINAL_DEFAULTS.items()
-    if key not in ('factor_update_steps', 'inv_update_steps')
+    if key not in ('factor_update_steps', 'inv_update_steps', 'compute_method')
 }
 
 

@@ -33,6 +33,7 @@ def test_original_defaults_give_the_original_kaisa_defaults() -> None:
         'damping': 0.001,
         'kl_clip': 0.001,
         'kl_clip_rule': 'kl',
+        'compute_method': 'eigen',
     }
     hp = Hyperparameters(
         factor_update_steps=ORIGINAL_DEFAULTS['factor_update_steps'],

@@ -69,8 +69,7 @@ def test_kfac_decreases_the_loss_faster_than_sgd(method: str) -> None:
     x, y = classification_data(64, (2, 8, 8), seed=99)
     precon = KFACPreconditioner(
         model,
-        compute_method=method,
-        **(ORIGINAL_DEFAULTS | {'damping': 0.01}),
+        **(ORIGINAL_DEFAULTS | {'damping': 0.01, 'compute_method': method}),
     )
     opt_k = torch.optim.SGD(model.parameters(), lr=0.1)
     opt_s = torch.optim.SGD(baseline.parameters(), lr=0.1)
@@ -235,7 +234,9 @@ def test_reset_batch_drops_captured_data() -> None:
 
 def test_memory_usage_counts_factors_and_decompositions() -> None:
     model = TinyMLP().double()
-    precon = KFACPreconditioner(model, compute_eigenvalue_outer_product=False)
+    precon = KFACPreconditioner(
+        model, compute_method='eigen', compute_eigenvalue_outer_product=False
+    )
     backward(model)
     precon.step()
     usage = precon.memory_usage()
@@ -359,9 +360,10 @@ def test_step_counts_and_repr() -> None:
     precon.step()
     assert precon.steps == 1
     assert 'layers=2, steps=1' in repr(precon)
-    # a layer's repr names its method and identifies its module
+    # a layer's repr names its method (INVERSE, the default) and
+    # identifies its module
     layer = repr(precon.layers['fc1'])
-    assert layer.startswith('KFACEigenLayer')
+    assert layer.startswith('KFACInverseLayer')
     assert repr(model.fc1) in layer
 
 

@@ -60,7 +60,12 @@ KWARGS = [
 COST_KWARGS = [
     # the low-rank form (warm-started from a loaded (n, k) basis at step
     # 6) and relative damping, resumed between decompositions only
-    {'factor_rank': 8, 'basis_refresh': 'qr', 'damping_mode': 'relative'},
+    {
+        'compute_method': 'eigen',
+        'factor_rank': 8,
+        'basis_refresh': 'qr',
+        'damping_mode': 'relative',
+    },
     {'compute_method': 'inverse', 'factor_rank': 8},
 ]
 
@@ -120,7 +125,7 @@ def test_state_dict_contents() -> None:
     assert state['hyperparameters']['factor_decay'] == 0.95
     assert set(state['layers']) == {'fc1', 'fc2'}
     assert state['layers']['fc1']['A'].shape == (7, 7)
-    assert state['decompositions']['fc1']['format'] == 'eigen_outer'
+    assert state['decompositions']['fc1']['format'] == 'inverse'  # default
     assert 'decompositions' not in precon.state_dict(
         include_decompositions=False
     )

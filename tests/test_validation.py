@@ -189,7 +189,7 @@ INVALID: list[tuple[dict[str, Any], type[Exception], str]] = [
         "unknown options ['batch_major']; allowed: batch_first",
     ),
     (
-        {'colocate_factors': False},
+        {'compute_method': 'eigen', 'colocate_factors': False},
         ValueError,
         'compute_eigenvalue_outer_product=True needs colocate_factors=True',
     ),

@@ -154,7 +154,7 @@ def test_tied_tiles_combine_each_vocabulary_block() -> None:
     model = TiedLM(10).double()
     idx, y = _data(10)
     ref, v = _reference(model, idx, y)
-    precon = _step(model, idx, y, max_factor_dim=4)
+    precon = _step(model, idx, y, max_factor_dim=4, compute_method='eigen')
     assert list(precon.layers) == [f'wte.block{k}' for k in range(3)] + ['mix']
     grad = model.wte.weight.grad
     assert grad is not None
@@ -177,7 +177,9 @@ def test_one_use_alone_is_preconditioned_with_its_own_factors() -> None:
     """
     torch.manual_seed(2)
     model = TiedLM(5).double()
-    precon = KFACPreconditioner(model, kl_clip=None, damping=0.1)
+    precon = KFACPreconditioner(
+        model, kl_clip=None, damping=0.1, compute_method='eigen'
+    )
     h = torch.randn(6, DIM, dtype=F64)
     target = torch.randint(0, 5, (6,))
     F.cross_entropy(model.head(h), target).backward()
@@ -227,7 +229,7 @@ def test_a_small_tied_language_model_trains() -> None:
 
 def test_report_state_and_refusals() -> None:
     model = TiedLM(6).double()
-    precon = KFACPreconditioner(model)
+    precon = KFACPreconditioner(model, compute_method='eigen')
     entry = precon.describe()['preconditioned'][0]
     assert entry['tied'] is not None
     assert (entry['tied']['embedding'], entry['tied']['head']) == (
@@ -251,7 +253,7 @@ def test_report_state_and_refusals() -> None:
         'head:A',
         'head:G',
     }
-    other = KFACPreconditioner(model)
+    other = KFACPreconditioner(model, compute_method='eigen')
     other.load_state_dict(state)
     tied = other.layers['wte']
     assert isinstance(tied, KFACTiedEigenLayer) and tied.has_decomposition
