@@ -84,6 +84,9 @@ VARIANTS: dict[str, dict[str, Any]] = {
     'sample0.25': {'position_sample': 0.25},
     'relative1': {'damping_mode': 'relative', 'damping': 1.0},
     'qr': {'basis_refresh': 'qr'},
+    # explicit inverses with factored damping: half the eigenbasis's
+    # matrix products per step
+    'inverse': {'compute_method': 'inverse'},
     # the GPT's blocks left to the optimizer: K-FAC on the tied embedding
     # and head only (with Muon: the part AdamW trains)
     'embedonly': {'skip_layers': [r'^blocks\.']},
