@@ -8,6 +8,7 @@ others the way the issue defines. No test here asserts a time.
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import json
 import math
 import pathlib
@@ -20,6 +21,7 @@ from benchmarks.study import analysis
 from benchmarks.study import runner
 from benchmarks.study import tasks
 from examples.data import ImageData
+from kfac.preconditioner import KFACPreconditioner
 
 
 def _images(count: int = 64) -> ImageData:
@@ -310,3 +312,24 @@ def test_the_defaults_variant_sets_nothing() -> None:
     defaults, ekfac = study.configs(args)
     assert defaults.settings() == {}
     assert ekfac.settings() == {**study.BASE_KFAC, 'compute_method': 'ekfac'}
+
+
+def test_the_inverse_variant_is_the_library_defaults() -> None:
+    """The defaults' evidence (docs/study.md, "The defaults") ran as the
+    variant `inverse`: it sets exactly the constructor's defaults, and a
+    run with nothing set repeats its numbers bit for bit.
+    """
+    settings = {**study.BASE_KFAC, **study.VARIANTS['inverse']}
+    parameters = inspect.signature(KFACPreconditioner).parameters
+    for key, value in settings.items():
+        assert parameters[key].default == value, key
+    task = TINY['gpt']()
+    explicit = runner.run(
+        task, runner.kfac_config('adamw', 0.001, 'inverse', settings), 0
+    )
+    defaults = runner.run(
+        task, runner.kfac_config('adamw', 0.001, study.DEFAULTS, {}), 0
+    )
+    assert [e[2] for e in explicit['evals']] == [
+        e[2] for e in defaults['evals']
+    ]
