@@ -73,7 +73,8 @@ def _usage(setup: str) -> dict[str, Any]:
         model = nn.parallel.DistributedDataParallel(model)
     precon = fsdp.train(
         model,
-        {'grad_worker_fraction': strategy},
+        # EIGEN with the outer product: what `expected_usage` counts
+        {'grad_worker_fraction': strategy, 'compute_method': 'eigen'},
         part=(dist.get_rank(), WORLD),
         steps=1,
     )

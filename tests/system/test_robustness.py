@@ -186,7 +186,7 @@ def test_float64_retry_rescues_a_failed_float32_eigh(
         lambda dtype: mode if dtype == torch.float32 else None,
     )
     monkeypatch.setattr(eigen_module, 'symmetric_eigh', eigh)
-    precon = KFACPreconditioner(model)
+    precon = KFACPreconditioner(model, compute_method='eigen')
     x, y = batch(8, (6,), device, dtype=torch.float32)
     F.cross_entropy(model(x), y).backward()
     raw = grad_matrix(model.fc1).clone()
@@ -212,7 +212,7 @@ def test_jitter_is_the_last_attempt(
 
     monkeypatch.setattr(eigen_module, 'symmetric_eigh', eigh)
     model = nn.Linear(3, 2, bias=False).to(device)
-    precon = KFACPreconditioner(model, skip_layers=[])
+    precon = KFACPreconditioner(model, skip_layers=[], compute_method='eigen')
     x = torch.randn(4, 3, device=device)
     model(x).sum().backward()
     precon.layers[''].update_factors(0.9)
@@ -272,7 +272,7 @@ def test_no_decomposition_ever_leaves_the_raw_gradient(
         failing(kmath.symmetric_eigh, lambda dtype: 'nan'),
     )
     model = TinyMLP().to(device, F64)
-    precon = KFACPreconditioner(model, kl_clip=None)
+    precon = KFACPreconditioner(model, kl_clip=None, compute_method='eigen')
     x, y = batch(8, (6,), device)
     F.cross_entropy(model(x), y).backward()
     raw = {
@@ -291,7 +291,7 @@ def test_nonfinite_preconditioned_gradient_keeps_the_original(
     device: torch.device,
 ) -> None:
     model = TinyMLP().to(device, F64)
-    precon = KFACPreconditioner(model)
+    precon = KFACPreconditioner(model, compute_method='eigen')
     good_step(model, precon, 0)
     layer = precon.layers['fc1']
     # a decomposition that is finite but produces an infinite gradient
@@ -368,7 +368,7 @@ def test_outer_product_without_a_eigenvalues_counts_g_as_failed(
 
     monkeypatch.setattr(eigen_module, 'symmetric_eigh', eigh_fails_on_a)
     model = TinyMLP().to(device, F64)
-    precon = KFACPreconditioner(model, kl_clip=None)
+    precon = KFACPreconditioner(model, kl_clip=None, compute_method='eigen')
     model.zero_grad()
     x, y = batch(8, (6,), device)
     F.cross_entropy(model(x), y).backward()
