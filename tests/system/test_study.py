@@ -19,6 +19,7 @@ import torch
 from benchmarks.study import __main__ as study
 from benchmarks.study import analysis
 from benchmarks.study import runner
+from benchmarks.study import step_cost
 from benchmarks.study import tasks
 from examples.data import ImageData
 from kfac.preconditioner import KFACPreconditioner
@@ -333,3 +334,9 @@ def test_the_inverse_variant_is_the_library_defaults() -> None:
     assert [e[2] for e in explicit['evals']] == [
         e[2] for e in defaults['evals']
     ]
+
+
+@pytest.mark.parametrize('method', [None, *step_cost.METHODS])
+def test_step_cost_trains_each_configuration(method: str | None) -> None:
+    ms = step_cost.cost(TINY['gpt'](), 'adamw', 0.001, method, steps=2)
+    assert math.isfinite(ms) and ms > 0

@@ -1,0 +1,101 @@
+"""CPU seconds per step: an optimizer alone and with K-FAC's defaults.
+
+One study task, the optimizer alone and with the defaults under each
+`compute_method`, interleaved in one process (one thread), so that load
+on a shared machine falls on all of them alike::
+
+    python -m benchmarks.study.step_cost --task gpt --optimizer adamw \
+        --lr 0.0015
+
+Each configuration trains from the same weights on the same batches for
+`--steps` steps (which include the decompositions of every 100th step),
+`--repeats` times in turn; the medians and their ratios to the optimizer
+alone are printed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+
+from benchmarks.study import runner
+from benchmarks.study import tasks
+from kfac.preconditioner import KFACPreconditioner
+
+METHODS = ('eigen', 'inverse')
+
+
+def cost(
+    task: tasks.Task, optimizer: str, lr: float, method: str | None, steps: int
+) -> float:
+    """Mean CPU milliseconds per step of `steps` steps (seed 0)."""
+    model = task.build(0)
+    optimizers = runner.make_optimizers(optimizer, model, lr, task)
+    precon = (
+        None
+        if method is None
+        else KFACPreconditioner(
+            model, optimizer=optimizers, compute_method=method
+        )
+    )
+    batches = task.batches(0)
+    cpu = 0.0
+    for _ in range(steps):
+        batch = next(batches)
+        start = time.process_time()
+        for opt in optimizers:
+            opt.zero_grad(set_to_none=True)
+        loss = task.criterion(model(batch[0]), batch)
+        loss.backward()
+        if precon is not None:
+            precon.step()
+        if task.clip_norm is not None:
+            nn.utils.clip_grad_norm_(model.parameters(), task.clip_norm)
+        for opt in optimizers:
+            opt.step()
+        float(loss.detach())
+        cpu += time.process_time() - start
+    return 1000 * cpu / steps
+
+
+def main(argv: Sequence[str] | None = None) -> dict[str, list[float]]:
+    """Measure and print; the per-repeat figures by configuration."""
+    parser = argparse.ArgumentParser(description=__doc__.split('\n')[0])
+    parser.add_argument(
+        '--task', required=True, choices=['autoencoder', 'cnn', 'gpt']
+    )
+    parser.add_argument(
+        '--optimizer', required=True, choices=runner.OPTIMIZERS
+    )
+    parser.add_argument('--lr', type=float, required=True)
+    parser.add_argument('--steps', type=int, default=300)
+    parser.add_argument('--repeats', type=int, default=3)
+    args = parser.parse_args(argv)
+    torch.set_num_threads(1)
+    task = tasks.load(args.task)
+    labels: dict[str, str | None] = {f'{args.optimizer} alone': None}
+    labels.update({f'+ K-FAC defaults, {m}': m for m in METHODS})
+    results: dict[str, list[float]] = {label: [] for label in labels}
+    for _ in range(args.repeats):
+        for label, method in labels.items():
+            results[label].append(
+                cost(task, args.optimizer, args.lr, method, args.steps)
+            )
+    base = statistics.median(next(iter(results.values())))
+    for label, values in results.items():
+        median = statistics.median(values)
+        runs = ', '.join(f'{v:.1f}' for v in values)
+        print(
+            f'{label}: median {median:.1f} ms/step ({runs}), '
+            f'{median / base:.2f}x'
+        )
+    return results
+
+
+if __name__ == '__main__':
+    main()
