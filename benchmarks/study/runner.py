@@ -20,6 +20,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from benchmarks.study.tasks import Batch
 from benchmarks.study.tasks import Task
 from kfac.preconditioner import KFACPreconditioner
 
@@ -89,6 +90,33 @@ def make_optimizers(
     raise ValueError(f'optimizer must be one of {OPTIMIZERS}; got {name!r}')
 
 
+def train_step(
+    task: Task,
+    model: nn.Module,
+    optimizers: list[torch.optim.Optimizer],
+    precon: KFACPreconditioner | None,
+    batch: Batch,
+) -> float:
+    """One training step (zeroing, forward, the MC Fisher's sampled pass if
+    asked, backward, K-FAC, clipping, the optimizers); the loss, read on
+    the host as every training loop does.
+    """
+    for optimizer in optimizers:
+        optimizer.zero_grad(set_to_none=True)
+    output = model(batch[0])
+    loss = task.criterion(output, batch)
+    if precon is not None:
+        precon.sample_fisher(output, task.fisher)
+    loss.backward()
+    if precon is not None:
+        precon.step()
+    if task.clip_norm is not None:
+        nn.utils.clip_grad_norm_(model.parameters(), task.clip_norm)
+    for optimizer in optimizers:
+        optimizer.step()
+    return float(loss.detach())
+
+
 def run(task: Task, config: Config, seed: int) -> dict[str, Any]:
     """Train `task` with `config` from `seed`; the record of the run.
 
@@ -110,20 +138,7 @@ def run(task: Task, config: Config, seed: int) -> dict[str, Any]:
     for step in range(1, task.steps + 1):
         batch = next(batches)
         start, start_cpu = time.perf_counter(), time.process_time()
-        for optimizer in optimizers:
-            optimizer.zero_grad(set_to_none=True)
-        output = model(batch[0])
-        loss = task.criterion(output, batch)
-        if precon is not None:  # the MC Fisher's sampled pass, if asked
-            precon.sample_fisher(output, task.fisher)
-        loss.backward()
-        if precon is not None:
-            precon.step()
-        if task.clip_norm is not None:
-            nn.utils.clip_grad_norm_(model.parameters(), task.clip_norm)
-        for optimizer in optimizers:
-            optimizer.step()
-        value = float(loss.detach())  # the host read every loop makes
+        value = train_step(task, model, optimizers, precon, batch)
         seconds += time.perf_counter() - start
         cpu += time.process_time() - start_cpu
         if not math.isfinite(value):

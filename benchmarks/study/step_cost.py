@@ -21,7 +21,6 @@ import time
 from collections.abc import Sequence
 
 import torch
-from torch import nn
 
 from benchmarks.study import runner
 from benchmarks.study import tasks
@@ -48,17 +47,7 @@ def cost(
     for _ in range(steps):
         batch = next(batches)
         start = time.process_time()
-        for opt in optimizers:
-            opt.zero_grad(set_to_none=True)
-        loss = task.criterion(model(batch[0]), batch)
-        loss.backward()
-        if precon is not None:
-            precon.step()
-        if task.clip_norm is not None:
-            nn.utils.clip_grad_norm_(model.parameters(), task.clip_norm)
-        for opt in optimizers:
-            opt.step()
-        float(loss.detach())
+        runner.train_step(task, model, optimizers, precon, batch)
         cpu += time.process_time() - start
     return 1000 * cpu / steps
 
