@@ -97,6 +97,15 @@ DEFAULTS = 'defaults'
 """The variant that sets nothing: `KFACPreconditioner(model,
 optimizer=optimizer)` with the library's defaults."""
 
+OVER_DEFAULTS: dict[str, dict[str, Any]] = {
+    f'{DEFAULTS}+{name}': {**BASE_KFAC, **VARIANTS['inverse'], **change}
+    for name, change in VARIANTS.items()
+    # (not the other compute methods, nor what needs the eigenbasis)
+    if name not in ('kfac', 'inverse', 'ekfac', 'qr')
+}
+"""The variants over the library's defaults (`BASE_KFAC` with INVERSE,
+set explicitly): `defaults+rank64` is `rank64` under INVERSE."""
+
 
 def _commit() -> str:
     try:
@@ -127,7 +136,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         '--kfac',
         nargs='+',
-        choices=sorted([*VARIANTS, DEFAULTS]),
+        choices=sorted([*VARIANTS, DEFAULTS, *OVER_DEFAULTS]),
         help='K-FAC variants; none: the optimizer alone',
     )
     parser.add_argument(
@@ -158,11 +167,12 @@ def configs(args: argparse.Namespace) -> list[runner.Config]:
             if not args.kfac or args.baselines:
                 out.append(runner.Config(name, lr))
             for variant in args.kfac or ():
-                settings = (
-                    {}
-                    if variant == DEFAULTS
-                    else {**BASE_KFAC, **VARIANTS[variant]}
-                )
+                if variant == DEFAULTS:
+                    settings: dict[str, Any] = {}
+                elif variant in OVER_DEFAULTS:
+                    settings = OVER_DEFAULTS[variant]
+                else:
+                    settings = {**BASE_KFAC, **VARIANTS[variant]}
                 out.append(runner.kfac_config(name, lr, variant, settings))
     return out
 

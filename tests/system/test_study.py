@@ -315,6 +315,31 @@ def test_the_defaults_variant_sets_nothing() -> None:
     assert ekfac.settings() == {**study.BASE_KFAC, 'compute_method': 'ekfac'}
 
 
+def test_variants_over_the_defaults_change_one_thing() -> None:
+    """`defaults+X` sets the library's defaults explicitly and changes
+    what `X` changes; the methods and the eigenbasis refresh have none.
+    """
+    args = study.parse_args(
+        [
+            '--task', 'gpt', '--optimizers', 'muon', '--lrs', '0.005',
+            '--kfac', 'defaults+rank64', 'defaults+mc',
+        ]
+    )  # fmt: skip
+    rank64, mc = study.configs(args)
+    parameters = inspect.signature(KFACPreconditioner).parameters
+    for config, change in ((rank64, 'rank64'), (mc, 'mc')):
+        settings = config.settings()
+        assert config.label == f'muon+defaults+{change} lr=0.005'
+        differs = {
+            key
+            for key, value in settings.items()
+            if parameters[key].default != value
+        }
+        assert differs == set(study.VARIANTS[change])
+    for name in ('kfac', 'inverse', 'ekfac', 'qr'):
+        assert f'defaults+{name}' not in study.OVER_DEFAULTS
+
+
 def test_the_inverse_variant_is_the_library_defaults() -> None:
     """The defaults' evidence (docs/study.md, "The defaults") ran as the
     variant `inverse`: it sets exactly the constructor's defaults, and a
