@@ -80,6 +80,14 @@ VARIANTS: dict[str, dict[str, Any]] = {
         'factor_rank': 64,
         'module_options': {'embed|head': {'factor_rank': None}},
     },
+    'rank32': {
+        'factor_rank': 32,
+        'module_options': {'embed|head': {'factor_rank': None}},
+    },
+    'rank16': {
+        'factor_rank': 16,
+        'module_options': {'embed|head': {'factor_rank': None}},
+    },
     'blocks512': {'max_factor_dim': 512},
     'sample0.25': {'position_sample': 0.25},
     'relative1': {'damping_mode': 'relative', 'damping': 1.0},
@@ -90,6 +98,11 @@ VARIANTS: dict[str, dict[str, Any]] = {
     # the GPT's blocks left to the optimizer: K-FAC on the tied embedding
     # and head only (with Muon: the part AdamW trains)
     'embedonly': {'skip_layers': [r'^blocks\.']},
+    # the autoencoder's Linear layers are modules 1, 3, ..., 15 of its
+    # Sequential: K-FAC on the first and last only (with Muon: the part
+    # AdamW trains), or on the six between them only (Muon's)
+    'outeronly': {'skip_layers': [r'^(3|5|7|9|11|13)$']},
+    'inneronly': {'skip_layers': [r'^(1|15)$']},
 }
 """K-FAC variants: each changes one thing of `BASE_KFAC`."""
 
@@ -147,16 +160,34 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument('--seeds', nargs='+', type=int, default=[0, 1, 2])
     parser.add_argument('--threads', type=int, default=1)
     parser.add_argument(
+        '--device',
+        default='cpu',
+        help="where to train: 'cpu' (the study's figures) or a GPU "
+        "('cuda', 'cuda:1'); evaluation runs there too",
+    )
+    parser.add_argument(
         '--out',
         type=pathlib.Path,
         help='default: benchmarks/results/study_TASK.json',
+    )
+    parser.add_argument(
+        '--no-plot',
+        action='store_true',
+        help='print the tables only (no matplotlib needed)',
     )
     parser.add_argument(
         '--report',
         action='store_true',
         help='print the table and plot; run nothing',
     )
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    try:
+        device = torch.device(args.device)
+    except RuntimeError as err:
+        parser.error(f'--device {args.device!r}: {err}')
+    if device.type == 'cuda' and not torch.cuda.is_available():
+        parser.error(f'--device {args.device!r}: this torch sees no GPU')
+    return args
 
 
 def configs(args: argparse.Namespace) -> list[runner.Config]:
@@ -314,6 +345,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                 + ' '.join(argv if argv is not None else sys.argv[1:]),
                 'commit': _commit(),
                 'threads': args.threads,
+                'device': args.device,
                 'torch': torch.__version__,
                 'machine': f'{platform.machine()}, {os.cpu_count()} CPUs',
                 'load_average_start': os.getloadavg(),
@@ -324,7 +356,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
             for config in configs(args):
                 if (config.label, seed) in done:
                     continue
-                record = runner.run(task, config, seed)
+                record = runner.run(task, config, seed, args.device)
                 record['session'] = len(document['sessions']) - 1
                 document['runs'].append(record)
                 out.write_text(json.dumps(document, indent=1))
@@ -351,12 +383,14 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     if checked:
         print()
         print(analysis.markdown_defaults(checked, document['metric']))
-        plot_defaults(
-            document,
-            checked,
-            out.with_name(f'{out.stem}_defaults.png'),
-        )
-    plot(document, summary, out.with_suffix('.png'))
+        if not args.no_plot:
+            plot_defaults(
+                document,
+                checked,
+                out.with_name(f'{out.stem}_defaults.png'),
+            )
+    if not args.no_plot:
+        plot(document, summary, out.with_suffix('.png'))
     return summary
 
 

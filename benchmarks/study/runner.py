@@ -117,14 +117,26 @@ def train_step(
     return float(loss.detach())
 
 
-def run(task: Task, config: Config, seed: int) -> dict[str, Any]:
-    """Train `task` with `config` from `seed`; the record of the run.
+def _sync(device: torch.device) -> None:
+    """Wait for `device`'s queued work (a clock read after it is true)."""
+    if device.type == 'cuda':
+        torch.cuda.synchronize(device)
+
+
+def run(
+    task: Task, config: Config, seed: int, device: str = 'cpu'
+) -> dict[str, Any]:
+    """Train `task` with `config` from `seed` on `device`; the record of
+    the run.
 
     `evals` holds `(step, training wall seconds so far, metric, training
     CPU seconds so far)` from step 0; a loss that is not finite ends the
-    run (`diverged`).
+    run (`diverged`). On a GPU the model is drawn on the CPU (the same
+    weights as there) and moved; each batch is moved before its step's
+    clocks start, and the device is synchronised before they stop.
     """
-    model = task.build(seed)
+    where = torch.device(device)
+    model = task.build(seed).to(where)
     optimizers = make_optimizers(config.optimizer, model, config.lr, task)
     precon = None
     if config.kfac is not None:
@@ -137,8 +149,11 @@ def run(task: Task, config: Config, seed: int) -> dict[str, Any]:
     diverged = False
     for step in range(1, task.steps + 1):
         batch = next(batches)
+        batch = (batch[0].to(where), batch[1].to(where))
+        _sync(where)
         start, start_cpu = time.perf_counter(), time.process_time()
         value = train_step(task, model, optimizers, precon, batch)
+        _sync(where)
         seconds += time.perf_counter() - start
         cpu += time.process_time() - start_cpu
         if not math.isfinite(value):
@@ -153,6 +168,7 @@ def run(task: Task, config: Config, seed: int) -> dict[str, Any]:
         'kfac': config.kfac,
         'kfac_kwargs': config.settings(),
         'seed': seed,
+        'device': device,
         'steps': step,
         'seconds': seconds,
         'seconds_per_step': seconds / step,

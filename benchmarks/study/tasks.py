@@ -93,6 +93,11 @@ def _hidden_linears(model: nn.Module, drop_first: bool) -> list[torch.Tensor]:
     return weights[int(drop_first) : -1]
 
 
+def _device(model: nn.Module) -> torch.device:
+    """Where `model`'s parameters are (the evaluation's data goes there)."""
+    return next(model.parameters()).device
+
+
 def _cross_entropy(output: torch.Tensor, batch: Batch) -> torch.Tensor:
     return F.cross_entropy(output, batch[1])
 
@@ -102,8 +107,9 @@ def _accuracy(
     model: nn.Module, images: torch.Tensor, labels: torch.Tensor
 ) -> float:
     model.eval()
+    device = _device(model)
     correct = sum(
-        int((model(x).argmax(1) == y).sum())
+        int((model(x.to(device)).argmax(1).cpu() == y).sum())
         for x, y in zip(images.split(1000), labels.split(1000), strict=True)
     )
     model.train()
@@ -270,8 +276,9 @@ def gpt(
     @torch.no_grad()
     def evaluate(model: nn.Module) -> float:
         model.eval()
+        device = _device(model)
         losses = [
-            float(_lm_loss(model(x), (x, y)))
+            float(_lm_loss(model(x.to(device)), (x, y.to(device))))
             for x, y in zip(
                 valid[0].split(64), valid[1].split(64), strict=True
             )
@@ -328,9 +335,10 @@ def autoencoder(
 
     @torch.no_grad()
     def evaluate(model: nn.Module) -> float:
+        device = _device(model)
         total = sum(
             float(_reconstruction(model(x), (x, x))) * len(x)
-            for x in images.test_images.split(2000)
+            for x in images.test_images.to(device).split(2000)
         )
         return total / len(images.test_images)
 

@@ -85,6 +85,24 @@ def test_a_run_trains_and_records(name: str, config: runner.Config) -> None:
 
 
 @pytest.mark.parametrize('name', sorted(TINY))
+def test_a_run_on_the_test_device_repeats_the_cpu(
+    name: str, device: torch.device
+) -> None:
+    """`make gpu-study`'s path: the model, the batches and the evaluation
+    on `device` (``KFAC_TEST_DEVICE``), the same weights and batches as on
+    the CPU, and so nearly the same numbers.
+    """
+    task = TINY[name]()
+    config = runner.kfac_config('adamw', 0.001, study.DEFAULTS, {})
+    here = runner.run(task, config, seed=0)
+    there = runner.run(task, config, seed=0, device=str(device))
+    assert (here['device'], there['device']) == ('cpu', str(device))
+    for a, b in zip(here['evals'], there['evals'], strict=True):
+        assert a[0] == b[0]
+        assert math.isclose(a[2], b[2], rel_tol=1e-4, abs_tol=1e-4)
+
+
+@pytest.mark.parametrize('name', sorted(TINY))
 def test_muon_trains_the_hidden_matrices_and_adamw_the_rest(name: str) -> None:
     task = TINY[name]()
     model = task.build(0)
@@ -109,6 +127,21 @@ def test_a_diverging_run_stops_with_the_worst_metric() -> None:
     assert summary['rows'][0]['final_median'] == math.inf
     assert math.isnan(summary['rows'][0]['time_ratio'])
     assert '| n/a |' in analysis.markdown(summary, 'error')
+
+
+@pytest.mark.parametrize(
+    ('device', 'says'),
+    [
+        ('gpu0', 'gpu0'),
+        *([] if torch.cuda.is_available() else [('cuda', 'no GPU')]),
+    ],
+)
+def test_a_device_it_cannot_use_is_refused(
+    device: str, says: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit):
+        study.parse_args(['--task', 'gpt', '--device', device])
+    assert says in capsys.readouterr().err
 
 
 def test_unknown_names_are_refused() -> None:
@@ -305,6 +338,18 @@ def test_the_command_line_builds_up_a_study(
         [*argv, '--seeds', '0', '--kfac', 'defaults', '--out', str(out)]
     )
     assert out.with_name('study_defaults.png').stat().st_size > 0
+    # `--no-plot` (a GPU machine may lack matplotlib): the tables only
+    plain = tmp_path / 'plain.json'
+    more = ['--seeds', '0', '--kfac', 'defaults', '--baselines']
+    study.main(
+        [*argv, *more, '--device', 'cpu', '--no-plot', '--out', str(plain)]
+    )
+    assert [r['label'] for r in json.loads(plain.read_text())['runs']] == [
+        'adamw lr=0.001',
+        'adamw+defaults lr=0.001',
+    ]
+    assert json.loads(plain.read_text())['sessions'][0]['device'] == 'cpu'
+    assert not list(tmp_path.glob('plain*.png'))
 
 
 def test_the_defaults_variant_sets_nothing() -> None:
