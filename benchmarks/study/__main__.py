@@ -38,11 +38,13 @@ GRIDS: dict[str, dict[str, list[float]]] = {
     'cnn': {
         'sgd': [0.01, 0.02, 0.04, 0.08],
         'adamw': [0.0005, 0.001, 0.002, 0.004],
-        'muon': [0.001, 0.002, 0.004, 0.008],
+        # (extended downwards: the best was at the edge)
+        'muon': [0.0005, 0.001, 0.002, 0.004, 0.008],
     },
     'gpt': {
         'sgd': [0.05, 0.1, 0.2, 0.4],
-        'adamw': [0.0015, 0.003, 0.006, 0.012],
+        # (extended downwards: the best was at the edge)
+        'adamw': [0.00075, 0.0015, 0.003, 0.006, 0.012],
         'muon': [0.0025, 0.005, 0.01, 0.02],
     },
     'autoencoder': {
