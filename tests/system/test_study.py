@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import itertools
 import json
 import math
 import pathlib
+import statistics
 
 import pytest
 import torch
@@ -410,3 +412,32 @@ def test_the_inverse_variant_is_the_library_defaults() -> None:
 def test_step_cost_trains_each_configuration(method: str | None) -> None:
     ms = step_cost.cost(TINY['gpt'](), 'adamw', 0.001, method, steps=2)
     assert math.isfinite(ms) and ms > 0
+
+
+@pytest.mark.parametrize('task', sorted(study.GRIDS))
+def test_the_committed_grids_keep_the_studys_rules(task: str) -> None:
+    """Each optimizer's grid: at least 4 learning rates a factor of 2
+    apart; in the committed results every grid point has 3 seeds and the
+    best median final metric is not at an edge of the grid.
+    """
+    document = json.loads((study.RESULTS / f'study_{task}.json').read_text())
+    sign = 1.0 if document['higher_is_better'] else -1.0
+    grouped = analysis.groups(document['runs'])
+    for name, grid in study.GRIDS[task].items():
+        assert len(grid) >= 4
+        assert all(
+            math.isclose(b / a, 2.0) for a, b in itertools.pairwise(grid)
+        ), name
+        medians = []
+        for lr in grid:
+            rows = grouped[f'{name} lr={lr:g}']
+            assert len({r['seed'] for r in rows}) >= 3, (name, lr)
+            medians.append(
+                sign
+                * statistics.median(
+                    analysis._final(r, document['higher_is_better'])
+                    for r in rows
+                )
+            )
+        best = medians.index(max(medians))
+        assert 0 < best < len(grid) - 1, (name, grid[best])
