@@ -27,32 +27,16 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from torch import nn
 
+from benchmarks.study.tasks import cnn_model
 from examples import data
 from kfac.preconditioner import KFACPreconditioner
-
-
-def _model() -> nn.Module:
-    torch.manual_seed(0)
-    return nn.Sequential(
-        nn.Conv2d(1, 16, 5, padding=2),
-        nn.ReLU(),
-        nn.MaxPool2d(2),
-        nn.Conv2d(16, 32, 5, padding=2),
-        nn.ReLU(),
-        nn.MaxPool2d(2),
-        nn.Flatten(),
-        nn.Linear(1568, 128),
-        nn.ReLU(),
-        nn.Linear(128, 10),
-    )
 
 
 def _run(
     images: data.ImageData, lr: float, kfac: dict[str, Any] | None
 ) -> dict[str, Any]:
-    model = _model()
+    model = cnn_model(0)
     optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
     precon = None
     if kfac is not None:

@@ -39,8 +39,8 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from torch import nn
 
+from benchmarks.study.tasks import cnn_model
 from examples import char_lm
 from examples import data
 from examples.gpt import GPT
@@ -71,23 +71,6 @@ ACCURACY_KFAC = {'factor_update_steps': 10, 'inv_update_steps': 100, **CLIP}
 """K-FAC options of the one-epoch runs (as in `clip_rules.py`)."""
 
 
-def cnn() -> nn.Module:
-    """The CNN of the cost issue, seeded."""
-    torch.manual_seed(0)
-    return nn.Sequential(
-        nn.Conv2d(1, 16, 5, padding=2),
-        nn.ReLU(),
-        nn.MaxPool2d(2),
-        nn.Conv2d(16, 32, 5, padding=2),
-        nn.ReLU(),
-        nn.MaxPool2d(2),
-        nn.Flatten(),
-        nn.Linear(1568, 128),
-        nn.ReLU(),
-        nn.Linear(128, 10),
-    )
-
-
 class _Trainer:
     """One CNN with SGD and, unless `form` is None, K-FAC."""
 
@@ -97,7 +80,7 @@ class _Trainer:
         lr: float,
         kfac: dict[str, Any] | None = None,
     ) -> None:
-        self.model = cnn()
+        self.model = cnn_model(0)
         self.optimizer = torch.optim.SGD(
             self.model.parameters(), lr=lr, momentum=0.9
         )
