@@ -18,7 +18,6 @@ import os
 import pathlib
 import platform
 import statistics
-import subprocess
 import sys
 import time
 from collections.abc import Sequence
@@ -26,20 +25,11 @@ from typing import Any
 
 import torch
 
+from benchmarks.study.runner import git_commit
 from examples import fashion_mnist
 from examples.comparison import OPTIMIZERS
 
 RESULTS = pathlib.Path(__file__).resolve().parent / 'results'
-
-
-def _commit() -> str:
-    done = subprocess.run(
-        ['git', 'rev-parse', '--short', 'HEAD'],
-        capture_output=True,
-        text=True,
-        check=False,
-    )
-    return done.stdout.strip() or 'unknown'
 
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
@@ -59,7 +49,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     document: dict[str, Any] = {
         'command': 'python -m benchmarks.demo_seeds '
         + ' '.join(argv if argv is not None else sys.argv[1:]),
-        'commit': _commit(),
+        'commit': git_commit(),
         'threads': 1,
         'torch': torch.__version__,
         'machine': f'{platform.machine()}, {os.cpu_count()} CPUs',

@@ -20,7 +20,6 @@ import json
 import os
 import pathlib
 import platform
-import subprocess
 import sys
 import time
 from collections.abc import Sequence
@@ -120,19 +119,6 @@ OVER_DEFAULTS: dict[str, dict[str, Any]] = {
 }
 """The variants over the library's defaults (`BASE_KFAC` with INVERSE,
 set explicitly): `defaults+rank64` is `rank64` under INVERSE."""
-
-
-def _commit() -> str:
-    try:
-        out = subprocess.run(
-            ['git', 'rev-parse', '--short', 'HEAD'],
-            capture_output=True,
-            text=True,
-            check=True,
-        )
-    except (OSError, subprocess.CalledProcessError):
-        return 'unknown'
-    return out.stdout.strip()
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -345,7 +331,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
             {
                 'command': 'python -m benchmarks.study '
                 + ' '.join(argv if argv is not None else sys.argv[1:]),
-                'commit': _commit(),
+                'commit': runner.git_commit(),
                 'threads': args.threads,
                 'device': args.device,
                 'torch': torch.__version__,

@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import subprocess
 import time
 from typing import Any
 
@@ -60,6 +61,22 @@ def kfac_config(
 ) -> Config:
     """A K-FAC configuration over `optimizer` at `lr`."""
     return Config(optimizer, lr, name, json.dumps(settings, sort_keys=True))
+
+
+def git_commit() -> str:
+    """The checkout's short commit, recorded beside results ('unknown'
+    outside a git checkout).
+    """
+    try:
+        done = subprocess.run(
+            ['git', 'rev-parse', '--short', 'HEAD'],
+            capture_output=True,
+            text=True,
+            check=False,
+        )
+    except OSError:
+        return 'unknown'
+    return done.stdout.strip() or 'unknown'
 
 
 def make_optimizers(

@@ -107,22 +107,8 @@ class FisherSampler:
         """Run the sampled backward passes of one forward pass; nothing
         with `'empirical'` or on a step that does not update factors.
 
-        Args:
-            output: the model output: logits with classes last, `(N, C)` or
-                `(N, ..., C)`, for `'cross_entropy'`; any `(N, ...)` for
-                `'mse'` (a Gaussian of the variance the loss implies, see
-                [`kfac.math.fisher`][kfac.math.fisher]).
-            loss: `'cross_entropy'` or `'mse'`.
-            mask: `'cross_entropy'`: bool, `output.shape[:-1]`, the
-                positions the loss counts (`target != ignore_index`).
-            indices: the global index of each example, `(N,)` (default:
-                rank `r`'s `i`-th example of the `m`-th forward pass of the
-                step is `(m W + r) N + i`, `W` ranks).
-
-        Raises:
-            TypeError, ValueError: a bad argument; at the sampled pass,
-                with `mc_samples > 1`, a registered module whose output has
-                no batch dimension.
+        The arguments and errors are those of the public
+        `KFACPreconditioner.sample_fisher`, which calls this.
         """
         check_instance('output', output, torch.Tensor, 'a torch.Tensor')
         check_choice('loss', loss, MC_LOSSES)
