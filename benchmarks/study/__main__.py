@@ -107,6 +107,13 @@ VARIANTS: dict[str, dict[str, Any]] = {
 }
 """K-FAC variants: each changes one thing of `BASE_KFAC`."""
 
+TASK_VARIANTS = {
+    'embedonly': 'gpt',
+    'outeronly': 'autoencoder',
+    'inneronly': 'autoencoder',
+}
+"""The variants that name one task's modules, and that task."""
+
 DEFAULTS = 'defaults'
 """The variant that sets nothing: `KFACPreconditioner(model,
 optimizer=optimizer)` with the library's defaults."""
@@ -173,9 +180,31 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         device = torch.device(args.device)
     except RuntimeError as err:
         parser.error(f'--device {args.device!r}: {err}')
-    if device.type == 'cuda' and not torch.cuda.is_available():
-        parser.error(f'--device {args.device!r}: this torch sees no GPU')
+    if device.type not in ('cpu', 'cuda'):
+        parser.error(f"--device {args.device!r}: 'cpu' or a CUDA device")
+    if device.type == 'cuda' and (
+        not torch.cuda.is_available()
+        or (device.index or 0) >= torch.cuda.device_count()
+    ):
+        parser.error(f'--device {args.device!r}: this torch sees no such GPU')
+    for variant in args.kfac or ():
+        name = variant.removeprefix(f'{DEFAULTS}+')
+        if TASK_VARIANTS.get(name, args.task) != args.task:
+            parser.error(
+                f'--kfac {variant}: names modules of task '
+                f'{TASK_VARIANTS[name]!r} only'
+            )
     return args
+
+
+def default_out(task: str, device: str) -> pathlib.Path:
+    """`benchmarks/results/study_TASK.json` for the CPU (the study's
+    figures); `study_TASK_cuda.json` for a GPU, so that its runs never mix
+    with the CPU's.
+    """
+    kind = torch.device(device).type
+    suffix = '' if kind == 'cpu' else f'_{kind}'
+    return RESULTS / f'study_{task}{suffix}.json'
 
 
 def configs(args: argparse.Namespace) -> list[runner.Config]:
@@ -315,8 +344,16 @@ def plot_defaults(
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     """Run what is missing, then print the table and save the plot."""
     args = parse_args(argv)
-    out = args.out or RESULTS / f'study_{args.task}.json'
+    out = args.out or default_out(args.task, args.device)
     document = _load(out)
+    kinds = {
+        torch.device(r.get('device', 'cpu')).type for r in document['runs']
+    }
+    if not args.report and kinds - {torch.device(args.device).type}:
+        raise SystemExit(
+            f'{out} holds runs on {sorted(kinds)}; runs on {args.device} '
+            'go to a file of their own (--out)'
+        )
     if not args.report:
         torch.set_num_threads(args.threads)
         task = tasks.load(args.task)
@@ -334,6 +371,9 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                 'commit': runner.git_commit(),
                 'threads': args.threads,
                 'device': args.device,
+                'gpu': torch.cuda.get_device_name(args.device)
+                if torch.device(args.device).type == 'cuda'
+                else None,
                 'torch': torch.__version__,
                 'machine': f'{platform.machine()}, {os.cpu_count()} CPUs',
                 'load_average_start': os.getloadavg(),

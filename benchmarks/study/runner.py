@@ -185,7 +185,7 @@ def run(
         'kfac': config.kfac,
         'kfac_kwargs': config.settings(),
         'seed': seed,
-        'device': device,
+        'device': str(next(model.parameters()).device),
         'steps': step,
         'seconds': seconds,
         'seconds_per_step': seconds / step,

@@ -87,15 +87,25 @@ def test_a_run_trains_and_records(name: str, config: runner.Config) -> None:
 
 
 @pytest.mark.parametrize('name', sorted(TINY))
+@pytest.mark.parametrize(
+    'config',
+    [
+        runner.kfac_config('adamw', 0.001, study.DEFAULTS, {}),
+        runner.kfac_config(
+            'muon', 0.001, 'defaults+mc', study.OVER_DEFAULTS['defaults+mc']
+        ),
+    ],
+    ids=['adamw+defaults', 'muon+defaults+mc'],
+)
 def test_a_run_on_the_test_device_repeats_the_cpu(
-    name: str, device: torch.device
+    name: str, config: runner.Config, device: torch.device
 ) -> None:
     """`make gpu-study`'s path: the model, the batches and the evaluation
-    on `device` (``KFAC_TEST_DEVICE``), the same weights and batches as on
-    the CPU, and so nearly the same numbers.
+    on `device` (``KFAC_TEST_DEVICE``; the record says where the model's
+    parameters were), the same weights and batches as on the CPU, and so
+    nearly the same numbers.
     """
     task = TINY[name]()
-    config = runner.kfac_config('adamw', 0.001, study.DEFAULTS, {})
     here = runner.run(task, config, seed=0)
     there = runner.run(task, config, seed=0, device=str(device))
     assert (here['device'], there['device']) == ('cpu', str(device))
@@ -134,8 +144,9 @@ def test_a_diverging_run_stops_with_the_worst_metric() -> None:
 @pytest.mark.parametrize(
     ('device', 'says'),
     [
-        ('gpu0', 'gpu0'),
-        *([] if torch.cuda.is_available() else [('cuda', 'no GPU')]),
+        ('gpu0', 'Invalid device string'),  # torch's own words
+        ('meta', "'cpu' or a CUDA device"),
+        ('cuda:99', 'no such GPU'),
     ],
 )
 def test_a_device_it_cannot_use_is_refused(
@@ -144,6 +155,46 @@ def test_a_device_it_cannot_use_is_refused(
     with pytest.raises(SystemExit):
         study.parse_args(['--task', 'gpt', '--device', device])
     assert says in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ('task', 'variant'),
+    [
+        ('gpt', 'outeronly'),
+        ('cnn', 'defaults+inneronly'),
+        ('autoencoder', 'defaults+embedonly'),
+    ],
+)
+def test_a_variant_of_another_tasks_modules_is_refused(
+    task: str, variant: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit):
+        study.parse_args(['--task', task, '--kfac', variant])
+    assert (
+        f'--kfac {variant}: names modules of task' in capsys.readouterr().err
+    )
+
+
+def test_gpu_runs_never_mix_with_the_cpus(
+    tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    assert study.default_out('gpt', 'cpu') == study.RESULTS / 'study_gpt.json'
+    assert study.default_out('gpt', 'cuda:1') == (
+        study.RESULTS / 'study_gpt_cuda.json'
+    )
+    monkeypatch.setattr(tasks, 'load', lambda name: TINY[name]())
+    out = tmp_path / 'study.json'
+    argv = ['--task', 'gpt', '--optimizers', 'sgd', '--lrs', '0.01']
+    study.main([*argv, '--seeds', '0', '--no-plot', '--out', str(out)])
+    document = json.loads(out.read_text())
+    assert document['runs'][0]['device'] == 'cpu'
+    # a file whose runs were on a GPU takes no CPU runs, and the refusal
+    # leaves it as it was
+    document['runs'][0]['device'] = 'cuda:0'
+    out.write_text(json.dumps(document))
+    with pytest.raises(SystemExit, match='go to a file of their own'):
+        study.main([*argv, '--seeds', '1', '--no-plot', '--out', str(out)])
+    assert json.loads(out.read_text()) == document
 
 
 def test_unknown_names_are_refused() -> None:
@@ -362,27 +413,23 @@ def test_the_defaults_variant_sets_nothing() -> None:
     assert ekfac.settings() == {**study.BASE_KFAC, 'compute_method': 'ekfac'}
 
 
-def test_variants_over_the_defaults_change_one_thing() -> None:
+@pytest.mark.parametrize('variant', sorted(study.OVER_DEFAULTS))
+def test_variants_over_the_defaults_change_one_thing(variant: str) -> None:
     """`defaults+X` sets the library's defaults explicitly and changes
     what `X` changes; the methods and the eigenbasis refresh have none.
     """
-    args = study.parse_args(
-        [
-            '--task', 'gpt', '--optimizers', 'muon', '--lrs', '0.005',
-            '--kfac', 'defaults+rank64', 'defaults+mc',
-        ]
-    )  # fmt: skip
-    rank64, mc = study.configs(args)
+    change = variant.removeprefix('defaults+')
+    task = study.TASK_VARIANTS.get(change, 'gpt')
+    argv = ['--task', task, '--optimizers', 'muon', '--lrs', '0.005']
+    (config,) = study.configs(study.parse_args([*argv, '--kfac', variant]))
+    assert config.label == f'muon+{variant} lr=0.005'
     parameters = inspect.signature(KFACPreconditioner).parameters
-    for config, change in ((rank64, 'rank64'), (mc, 'mc')):
-        settings = config.settings()
-        assert config.label == f'muon+defaults+{change} lr=0.005'
-        differs = {
-            key
-            for key, value in settings.items()
-            if parameters[key].default != value
-        }
-        assert differs == set(study.VARIANTS[change])
+    differs = {
+        key
+        for key, value in config.settings().items()
+        if parameters[key].default != value
+    }
+    assert differs == set(study.VARIANTS[change])
     for name in ('kfac', 'inverse', 'ekfac', 'qr'):
         assert f'defaults+{name}' not in study.OVER_DEFAULTS
 
