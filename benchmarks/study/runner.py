@@ -115,8 +115,13 @@ def train_step(
     batch: Batch,
 ) -> float:
     """One training step (zeroing, forward, the MC Fisher's sampled pass if
-    asked, backward, K-FAC, clipping, the optimizers); the loss, read on
-    the host as every training loop does.
+    asked, backward, the clip of the raw gradient, K-FAC, the optimizers);
+    the loss, read on the host as every training loop does.
+
+    The clip comes before `preconditioner.step()`, in the order the
+    getting-started guide gives (K-FAC's own clip bounds the preconditioned
+    step). Until commit `72271ec` it came after, clipping the preconditioned
+    gradient: the runs of that loop are labelled so in the results.
     """
     for optimizer in optimizers:
         optimizer.zero_grad(set_to_none=True)
@@ -125,10 +130,10 @@ def train_step(
     if precon is not None:
         precon.sample_fisher(output, task.fisher)
     loss.backward()
-    if precon is not None:
-        precon.step()
     if task.clip_norm is not None:
         nn.utils.clip_grad_norm_(model.parameters(), task.clip_norm)
+    if precon is not None:
+        precon.step()
     for optimizer in optimizers:
         optimizer.step()
     return float(loss.detach())
