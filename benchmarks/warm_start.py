@@ -39,7 +39,7 @@ import torch
 
 from benchmarks.ekfac import WORKLOADS
 from benchmarks.shapes import SCALING_MODELS
-from kfac.layers.eigen import WARM_START_STEPS
+from kfac.layers.curvature.eigen import WARM_START_STEPS
 from kfac.math import eigen_precondition
 from kfac.math import eigenvalue_outer_product
 from kfac.math import subspace_iteration

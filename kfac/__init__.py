@@ -41,6 +41,12 @@ from kfac.enums import AssignmentStrategy
 from kfac.enums import ComputeMethod
 from kfac.enums import DistributedStrategy
 from kfac.hyperparams import ORIGINAL_DEFAULTS
+from kfac.layers.curvature import Curvature
+from kfac.layers.curvature import CurvatureConfig
+from kfac.layers.curvature import Decomposed
+from kfac.layers.curvature import EigenConfig
+from kfac.layers.curvature import EKFACConfig
+from kfac.layers.curvature import InverseConfig
 from kfac.optimizer import KFACOptimizer
 from kfac.preconditioner import KFACPreconditioner
 from kfac.scheduler import LambdaParamScheduler
@@ -54,7 +60,13 @@ __all__ = [
     'AssignmentStrategy',
     'BaseKFACPreconditioner',
     'ComputeMethod',
+    'Curvature',
+    'CurvatureConfig',
+    'Decomposed',
     'DistributedStrategy',
+    'EKFACConfig',
+    'EigenConfig',
+    'InverseConfig',
     'KFACConfig',
     'KFACOptimizer',
     'KFACPreconditioner',

@@ -23,8 +23,8 @@ from kfac.distributed import default_group_func
 from kfac.enums import FACTOR_NAMES
 from kfac.enums import AssignmentStrategy
 from kfac.enums import DistributedStrategy
+from kfac.enums import parse_enum
 from kfac.placement import KAISAPlan
-from kfac.placement import factor_cost
 from kfac.placement import grad_workers_from_fraction
 from kfac.placement import plan_kaisa
 from kfac.validation import check_callable
@@ -116,20 +116,16 @@ def decomposition_work(
     strategy: AssignmentStrategy | str,
 ) -> dict[str, dict[str, float]]:
     """The `work` of [`KAISAAssignment`][kfac.assignment.KAISAAssignment]
-    for `layers`: per layer, the cost of decomposing each factor.
-
-    A dense factor costs [`factor_cost`][kfac.placement.factor_cost]; a
-    diagonal one (an embedding's `A`) its length, as it takes `O(dim)`
-    time and memory. Every tile of a blocked module (see
+    for `layers`: per layer, the cost of decomposing each factor, as its
+    curvature counts it
+    ([`Curvature.cost`][kfac.layers.curvature.base.Curvature.cost]: a
+    dense factor [`factor_cost`][kfac.placement.factor_cost], a diagonal
+    one its length). Every tile of a blocked module (see
     [`kfac.layers.blocks`][kfac.layers.blocks]) is a layer of its own.
     """
+    parsed = parse_enum(AssignmentStrategy, strategy, 'strategy')
     return {
-        name: {
-            f: float(layer.factor(f).dim)
-            if layer.factor(f).diagonal
-            else factor_cost(layer.factor(f).dim, strategy)
-            for f in FACTOR_NAMES
-        }
+        name: {f: layer.curvature.cost(f, parsed) for f in FACTOR_NAMES}
         for name, layer in layers.items()
     }
 

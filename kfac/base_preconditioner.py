@@ -33,7 +33,7 @@ from kfac._engine.phases import decompose
 from kfac._engine.phases import precondition
 from kfac._engine.saving import load_layers
 from kfac._engine.saving import save_layers
-from kfac._engine.scales import ScaleUpdates
+from kfac._engine.scales import CurvatureUpdates
 from kfac.assignment import WorkAssignment
 from kfac.config import EngineOptions
 from kfac.distributed import TorchDistributedCommunicator
@@ -143,7 +143,7 @@ class BaseKFACPreconditioner:
             compiled=self.options.compile_arithmetic,
         )
         self._clips = ClipMonitor(self._faults)
-        self._scales = ScaleUpdates(
+        self._curvatures = CurvatureUpdates(
             self._layers,
             assignment,
             self.communicator,
@@ -337,9 +337,11 @@ class BaseKFACPreconditioner:
         if factors:
             self._update_factors()
         if self._steps % values.inv_update_steps == 0:
-            self._scales.restart(self._update_decompositions(values.damping))
-        if factors:  # EKFAC: in the bases in force from now on
-            self._scales.update(values.factor_decay, values.damping)
+            self._curvatures.restart(
+                self._update_decompositions(values.damping)
+            )
+        if factors:  # curvature statistics, in the bases now in force
+            self._curvatures.update(values.factor_decay, values.damping)
         precondition(
             self._placement,
             self._active(),

@@ -25,7 +25,11 @@ from kfac.enums import DistributedStrategy
 from kfac.enums import parse_enum
 from kfac.layers.attention import convert_attention
 from kfac.layers.base import KFACBaseLayer
-from kfac.layers.eigen import BASIS_REFRESHES
+from kfac.layers.curvature.base import CurvatureConfig
+from kfac.layers.curvature.eigen import BASIS_REFRESHES
+from kfac.layers.curvature.eigen import EigenConfig
+from kfac.layers.curvature.ekfac import EKFACConfig
+from kfac.layers.curvature.inverse import InverseConfig
 from kfac.layers.factory import make_layer
 from kfac.layers.helper import ModuleHelper
 from kfac.layers.options import DEFAULT_MAX_FACTOR_DIM
@@ -96,7 +100,9 @@ class KFACConfig:
     allreduce_bucket_cap_mb: float = 25.0
     assignment_strategy: AssignmentStrategy | str = AssignmentStrategy.COMPUTE
     colocate_factors: bool = True
-    compute_method: ComputeMethod | str = ComputeMethod.INVERSE
+    compute_method: ComputeMethod | CurvatureConfig | str = (
+        ComputeMethod.INVERSE
+    )
     compute_eigenvalue_outer_product: bool = True
     grad_worker_fraction: FractionLike = DistributedStrategy.COMM_OPT
     symmetry_aware: bool = False
@@ -139,11 +145,7 @@ class KFACConfig:
                 self.assignment_strategy,
                 'assignment_strategy',
             ),
-            'compute_method': parse_enum(
-                ComputeMethod,
-                self.compute_method,
-                'compute_method',
-            ),
+            'compute_method': _parse_method(self.compute_method),
             'grad_worker_fraction': parse_grad_worker_fraction(
                 self.grad_worker_fraction
             ),
@@ -198,9 +200,11 @@ class KFACConfig:
             checked[name] = check_bool(name, getattr(self, name))
         for name, value in checked.items():
             object.__setattr__(self, name, value)
+        _check_method_options(self)
+        method = self.curvature()
         if (
-            self.compute_method is ComputeMethod.EIGEN
-            and self.compute_eigenvalue_outer_product
+            isinstance(method, EigenConfig)
+            and method.prediv_eigenvalues
             and not self.colocate_factors
         ):
             raise ValueError(
@@ -271,6 +275,28 @@ class KFACConfig:
             position_sample_seed=self.position_sample_seed,
         )
 
+    def curvature(self) -> CurvatureConfig:
+        """The method with its options: `compute_method` itself when it is
+        a [`CurvatureConfig`][kfac.layers.curvature.base.CurvatureConfig],
+        else the named method's config from `compute_eigenvalue_outer_product`,
+        `basis_refresh` and `damping_mode`.
+        """
+        method = self.compute_method
+        if isinstance(method, CurvatureConfig):
+            return method
+        prediv = self.compute_eigenvalue_outer_product
+        if method is ComputeMethod.EIGEN:
+            return EigenConfig(
+                prediv_eigenvalues=prediv,
+                basis_refresh=self.basis_refresh,
+                damping_mode=self.damping_mode,
+            )
+        if method is ComputeMethod.EKFAC:
+            return EKFACConfig(
+                prediv_eigenvalues=prediv, basis_refresh=self.basis_refresh
+            )
+        return InverseConfig(damping_mode=self.damping_mode)
+
     def make_layer(
         self, name: str, helper: ModuleHelper, options: ModuleOptions
     ) -> KFACBaseLayer:
@@ -281,14 +307,40 @@ class KFACConfig:
             name,
             helper,
             options,
-            method=ComputeMethod(self.compute_method),
-            prediv_eigenvalues=self.compute_eigenvalue_outer_product,
-            basis_refresh=self.basis_refresh,
+            method=self.curvature(),
             factor_dtype=self.factor_dtype,
             inv_dtype=self.inv_dtype,
             loss_average=self.loss_average,
-            damping_mode=self.damping_mode,
         )
+
+
+def _parse_method(method: object) -> ComputeMethod | CurvatureConfig:
+    """`compute_method` as a [`ComputeMethod`][kfac.enums.ComputeMethod]
+    (from a name) or the
+    [`CurvatureConfig`][kfac.layers.curvature.base.CurvatureConfig] given.
+    """
+    if isinstance(method, CurvatureConfig):
+        return method
+    return parse_enum(ComputeMethod, method, 'compute_method')
+
+
+def _check_method_options(config: KFACConfig) -> None:
+    """Raise `ValueError` for a method's flat option set beside a method
+    object (whose own fields hold its options).
+    """
+    if not isinstance(config.compute_method, CurvatureConfig):
+        return
+    for name, default in (
+        ('basis_refresh', 'eigh'),
+        ('damping_mode', 'absolute'),
+    ):
+        value = getattr(config, name)
+        if value != default:
+            raise ValueError(
+                f'{name}={value!r} beside compute_method='
+                f'{config.compute_method!r}: give the method its options '
+                f'in its config object, not as keywords',
+            )
 
 
 def _check_mc(config: KFACConfig) -> None:
@@ -298,7 +350,7 @@ def _check_mc(config: KFACConfig) -> None:
     if (
         config.fisher_type == 'mc'
         and config.mc_samples > 1
-        and config.compute_method is ComputeMethod.EKFAC
+        and isinstance(config.curvature(), EKFACConfig)
     ):
         raise ValueError(
             f'mc_samples={config.mc_samples} is not supported with '

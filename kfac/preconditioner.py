@@ -33,6 +33,7 @@ from kfac.hyperparams import Hyperparameters
 from kfac.hyperparams import OptimizerLike
 from kfac.hyperparams import OptimizerLR
 from kfac.hyperparams import check_optimizers
+from kfac.layers.curvature import CurvatureConfig
 from kfac.layers.options import DEFAULT_MAX_FACTOR_DIM
 from kfac.layers.sampling import SampleKey
 from kfac.math.fisher import parse_fisher
@@ -83,7 +84,12 @@ class KFACPreconditioner(BaseKFACPreconditioner):
             default), `'eigen'` (exact damping; the original's default) or
             `'ekfac'` (EIGEN's eigenbases with the scaling re-estimated
             from each example's gradient on every factor update; see
-            [`kfac.layers.ekfac`][kfac.layers.ekfac]).
+            [`kfac.layers.curvature.ekfac`][kfac.layers.curvature.ekfac]),
+            or a method with its options: a
+            [`CurvatureConfig`][kfac.layers.curvature.base.CurvatureConfig]
+            such as `EigenConfig(basis_refresh='qr')`, or one defined
+            outside the library (see
+            [`kfac.layers.curvature.base`][kfac.layers.curvature.base]).
         compute_eigenvalue_outer_product: EIGEN: precompute
             `1 / (d_G d_Aᵀ + λ)` at decomposition time; EKFAC: keep
             `1 / (S + λ)` from each update of `S`; INVERSE: unused.
@@ -191,7 +197,7 @@ class KFACPreconditioner(BaseKFACPreconditioner):
         allreduce_bucket_cap_mb: float = 25.0,
         assignment_strategy: AssignmentStrategy | str = 'compute',
         colocate_factors: bool = True,
-        compute_method: ComputeMethod | str = 'inverse',
+        compute_method: ComputeMethod | CurvatureConfig | str = 'inverse',
         compute_eigenvalue_outer_product: bool = True,
         grad_worker_fraction: FractionLike = DistributedStrategy.COMM_OPT,
         symmetry_aware: bool = False,

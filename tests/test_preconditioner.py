@@ -363,7 +363,7 @@ def test_step_counts_and_repr() -> None:
     # a layer's repr names its method (INVERSE, the default) and
     # identifies its module
     layer = repr(precon.layers['fc1'])
-    assert layer.startswith('KFACInverseLayer')
+    assert layer.startswith('KFACBaseLayer(') and layer.endswith(', inverse)')
     assert repr(model.fc1) in layer
 
 

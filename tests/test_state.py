@@ -269,7 +269,7 @@ def test_version_2_states_load_without_a_scale() -> None:
     _, other = trained(compute_method='ekfac')
     other.load_state_dict(state)
     for name, layer in other.layers.items():
-        assert getattr(layer, 'scale', 0) is None
+        assert getattr(layer.curvature, 'scale', 0) is None
         loaded = layer.factor('A').value
         assert loaded is not None
         assert torch.equal(loaded, precon.layers[name].factor('A').value)  # type: ignore[arg-type]

@@ -28,8 +28,10 @@ from kfac.enums import AssignmentStrategy
 from kfac.enums import ComputeMethod
 from kfac.enums import DistributedStrategy
 from kfac.hyperparams import exp_decay_factor_averaging
+from kfac.layers.curvature.eigen import EigenCurvature
+from kfac.layers.curvature.ekfac import EKFACCurvature
+from kfac.layers.curvature.inverse import InverseCurvature
 from kfac.layers.eigen import KFACEigenLayer
-from kfac.layers.ekfac import KFACEKFACLayer
 from kfac.layers.inverse import KFACInverseLayer
 from kfac.layers.modules import LinearModuleHelper
 from kfac.layers.register import register_modules
@@ -297,10 +299,10 @@ def test_basis_refresh_reaches_the_layers(method: str) -> None:
         TinyMLP(), compute_method=method, basis_refresh='qr'
     )
     assert precon.config.basis_refresh == 'qr'
-    layer = precon.layers['fc1']
-    assert isinstance(layer, KFACEigenLayer)
-    assert layer.basis_refresh == 'qr'
-    assert isinstance(layer, KFACEKFACLayer) == (method == 'ekfac')
+    curvature = precon.layers['fc1'].curvature
+    assert isinstance(curvature, EigenCurvature)
+    assert curvature.config.basis_refresh == 'qr'
+    assert isinstance(curvature, EKFACCurvature) == (method == 'ekfac')
 
 
 def test_ekfac_outer_product_needs_no_colocation() -> None:
@@ -310,10 +312,10 @@ def test_ekfac_outer_product_needs_no_colocation() -> None:
     precon = KFACPreconditioner(
         TinyMLP(), compute_method='ekfac', colocate_factors=False
     )
-    layer = precon.layers['fc1']
-    assert isinstance(layer, KFACEKFACLayer)
-    assert layer.prediv_scale
-    assert not layer.prediv_eigenvalues  # plain bases are broadcast
+    curvature = precon.layers['fc1'].curvature
+    assert isinstance(curvature, EKFACCurvature)
+    assert curvature.ekfac.prediv_eigenvalues
+    assert not curvature.prediv_eigenvalues  # plain bases are broadcast
 
 
 def test_outer_product_without_colocation_is_fine_for_inverse() -> None:
@@ -323,7 +325,7 @@ def test_outer_product_without_colocation_is_fine_for_inverse() -> None:
         colocate_factors=False,
     )
     assert precon.config.compute_method is ComputeMethod.INVERSE
-    assert isinstance(precon.layers['fc1'], KFACInverseLayer)
+    assert isinstance(precon.layers['fc1'].curvature, InverseCurvature)
 
 
 def test_config_is_frozen() -> None:

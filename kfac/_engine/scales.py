@@ -1,12 +1,13 @@
-"""EKFAC's scaling phase of a step.
+"""The curvature-statistics phase of a step.
 
+Some curvatures keep statistics of their own that every rank estimates
+from its own examples (EKFAC's scaling `S`; see
+[`Curvature.batch_statistics`][kfac.layers.curvature.base.Curvature.batch_statistics]).
 On a factor-update step, after that step's decompositions (so in the bases
-in force from now on), every rank forms the batch scaling `S` of each EKFAC
-layer from its own examples, the batches are averaged over all ranks
-(bucketed like the factors), and every rank folds the average into the
-layer's running `S`; the ranks that precondition a layer keep `1 / (S + λ)`
-when asked to (`compute_eigenvalue_outer_product`). A basis refresh
-restarts `S`. See [`kfac.layers.ekfac`][kfac.layers.ekfac].
+in force from now on), every rank forms its batch statistics, the batches
+are averaged over all ranks (bucketed like the factors), and every rank
+folds the average into its layers' curvatures. A decomposition refresh
+restarts them.
 """
 
 from __future__ import annotations
@@ -14,22 +15,23 @@ from __future__ import annotations
 from collections.abc import Iterable
 from collections.abc import Mapping
 
+import torch
+
 from kfac.assignment import WorkAssignment
 from kfac.distributed import TorchDistributedCommunicator
 from kfac.distributed._exchange import allreduce_scales
 from kfac.layers.base import KFACBaseLayer
-from kfac.layers.ekfac import KFACEKFACLayer
 from kfac.tracing import Phase
 
-__all__ = ['ScaleUpdates']
+__all__ = ['CurvatureUpdates']
 
 
-class ScaleUpdates:
-    """The scaling `S` of the EKFAC layers, one factor update at a time.
+class CurvatureUpdates:
+    """The curvatures' own statistics, one factor update at a time.
 
     Args:
-        layers: the registered layers (those that are not EKFAC's are
-            ignored).
+        layers: the registered layers (those whose curvature reduces no
+            statistics are ignored).
         assignment: who preconditions each layer.
         communicator: the collectives.
         bucketed: allreduce in buckets.
@@ -47,7 +49,7 @@ class ScaleUpdates:
         self.layers = {
             name: layer
             for name, layer in layers.items()
-            if isinstance(layer, KFACEKFACLayer)
+            if layer.curvature.reduces_statistics
         }
         self.assignment = assignment
         self.communicator = communicator
@@ -55,34 +57,39 @@ class ScaleUpdates:
         self.phase = phase
 
     def restart(self, names: Iterable[str]) -> None:
-        """Restart `S` of the EKFAC layers among `names` (decomposed now)."""
+        """Tell the curvatures of `names` (decomposed now) of the refresh."""
         for name in names:
             layer = self.layers.get(name)
             if layer is not None:
-                layer.restart_scale()
+                layer.curvature.restart()
 
     def update(self, decay: float, damping: float) -> None:
-        """Estimate, average and fold in `S` of every EKFAC layer whose
-        factors were updated in this step. Every rank calls it on each
+        """Estimate, average and fold in the batch statistics of every
+        curvature that has some for this step. Every rank calls it on each
         factor-update step, after the step's decompositions.
         """
         if not self.layers:
             return
         with self.phase('scale_estimate'):
             batches = {
-                name: batch
+                f'{name}/{key}': (name, key, tensor)
                 for name, layer in self.layers.items()
-                if (batch := layer.scale_batch()) is not None
+                for key, tensor in layer.curvature.batch_statistics().items()
             }
         with self.phase('scale_allreduce'):
             averaged = allreduce_scales(
-                self.communicator, batches, bucketed=self.bucketed
+                self.communicator,
+                {k: tensor for k, (_, _, tensor) in batches.items()},
+                bucketed=self.bucketed,
             )
         with self.phase('scale_update'):
-            for name, batch in averaged.items():
-                self.layers[name].update_scale(
-                    batch,
+            per_layer: dict[str, dict[str, torch.Tensor]] = {}
+            for k, (name, key, _) in batches.items():
+                per_layer.setdefault(name, {})[key] = averaged[k]
+            for name, statistics in per_layer.items():
+                self.layers[name].curvature.update_statistics(
+                    statistics,
                     decay,
                     damping,
-                    precompute=self.assignment.is_grad_worker(name),
+                    preconditions=self.assignment.is_grad_worker(name),
                 )

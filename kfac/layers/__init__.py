@@ -1,8 +1,8 @@
-"""Per-layer K-FAC: module helpers, registration and the two methods.
+"""Per-layer K-FAC: module helpers, statistics, curvatures, registration.
 
 `import kfac.layers` imports its submodules (`attention`, `base`, `blocks`,
-`conv`, `decomposition`, `eigen`, `ekfac`, `embedding`, `examples`,
-`factor`, `factory`, `helper`, `inverse`, `lowrank`, `modules`,
+`conv`, `curvature`, `decomposition`, `eigen`, `embedding`, `examples`,
+`factor`, `factory`, `helper`, `inverse`, `modules`,
 `options`, `register`, `sampling`, `statistics`, `tied`).
 """
 
@@ -12,16 +12,15 @@ from kfac.layers import attention
 from kfac.layers import base
 from kfac.layers import blocks
 from kfac.layers import conv
+from kfac.layers import curvature
 from kfac.layers import decomposition
 from kfac.layers import eigen
-from kfac.layers import ekfac
 from kfac.layers import embedding
 from kfac.layers import examples
 from kfac.layers import factor
 from kfac.layers import factory
 from kfac.layers import helper
 from kfac.layers import inverse
-from kfac.layers import lowrank
 from kfac.layers import modules
 from kfac.layers import options
 from kfac.layers import register
@@ -30,28 +29,25 @@ from kfac.layers import statistics
 from kfac.layers import tied
 from kfac.layers.base import KFACBaseLayer
 from kfac.layers.eigen import KFACEigenLayer
-from kfac.layers.ekfac import KFACEKFACLayer
 from kfac.layers.inverse import KFACInverseLayer
 
 __all__ = [
     'KFACBaseLayer',
-    'KFACEKFACLayer',
     'KFACEigenLayer',
     'KFACInverseLayer',
     'attention',
     'base',
     'blocks',
     'conv',
+    'curvature',
     'decomposition',
     'eigen',
-    'ekfac',
     'embedding',
     'examples',
     'factor',
     'factory',
     'helper',
     'inverse',
-    'lowrank',
     'modules',
     'options',
     'register',

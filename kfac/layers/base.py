@@ -1,46 +1,64 @@
-"""Per-layer K-FAC state and mathematics, independent of placement.
+"""A layer: one module's helper, statistics and curvature, composed.
 
-A [`KFACBaseLayer`][kfac.layers.base.KFACBaseLayer] holds one module's two
-Kronecker factors and does what it is told: capture hook data, update the
-running averages, compute a factor's decomposition and precondition the
-gradient. It exposes its tensors (factors, decompositions, gradients) and
-their layout; it never communicates. The collectives that move those
+A [`KFACBaseLayer`][kfac.layers.base.KFACBaseLayer] holds
+
+* its module's [`ModuleHelper`][kfac.layers.helper.ModuleHelper]
+  (`helper`; `module` is the original's name for it): factor shapes, the
+  gradient as the `(out, in[+1])` matrix `V`, the rows of `A` and `G`;
+* its statistics ([`LayerStatistics`][kfac.layers.statistics.LayerStatistics],
+  or [`TiedStatistics`][kfac.layers.tied.TiedStatistics] for a weight tied
+  in two roles): the running factors and how hook data feeds them;
+* its curvature (a [`Curvature`][kfac.layers.curvature.base.Curvature]
+  built by the method's config): decompositions and preconditioning.
+
+It does what it is told: capture hook data, update the running averages,
+decompose a factor (with retries, see
+[`kfac.layers.decomposition`][kfac.layers.decomposition]) and precondition
+the gradient. It exposes its tensors (factors, decompositions, gradients)
+and their layout; it never communicates. The collectives that move those
 tensors between ranks live in [`kfac.distributed`][kfac.distributed], and
 which rank does what is decided by a
-[`WorkAssignment`][kfac.assignment.WorkAssignment]. Gradients are read
-and written through a [`Grads`][kfac.layers.modules.Grads] the engine's
-gradient placement hands the layer (default: the parameters' `.grad`).
+[`WorkAssignment`][kfac.assignment.WorkAssignment]. Gradients are read and
+written through a [`Grads`][kfac.layers.helper.Grads] the engine's gradient
+placement hands the layer (default: the parameters' `.grad`).
 """
 
 from __future__ import annotations
 
-import abc
 from collections import Counter
-from collections.abc import Callable
-from typing import ClassVar
 
 import torch
 
 from kfac.enums import FACTOR_NAMES
-from kfac.layers.decomposition import DecompositionAttempts
-from kfac.layers.decomposition import Layout
+from kfac.layers.curvature.base import Curvature
+from kfac.layers.curvature.base import CurvatureConfig
+from kfac.layers.curvature.base import Layout
+from kfac.layers.curvature.inverse import InverseConfig
+from kfac.layers.decomposition import Attempt
+from kfac.layers.decomposition import attempt_plan
+from kfac.layers.decomposition import try_attempt
+from kfac.layers.factor import Captured
+from kfac.layers.factor import KroneckerFactor
 from kfac.layers.helper import Grads
 from kfac.layers.helper import ModuleHelper
-from kfac.math.lowrank import DAMPING_MODES
-from kfac.math.lowrank import relative_damping
+from kfac.layers.statistics import LayerStatistics
+from kfac.layers.tied import make_statistics
 from kfac.state import LayerSpec
 from kfac.state import SavedDecomposition
 from kfac.state import SavedLayer
-from kfac.validation import check_choice
+from kfac.validation import check_instance
 
 __all__ = ['KFACBaseLayer']
 
 
-class KFACBaseLayer(DecompositionAttempts):
-    """K-FAC state of one module.
+class KFACBaseLayer:
+    """K-FAC state of one module: helper, statistics and curvature.
 
     Args:
         module: helper of the module this layer preconditions.
+        curvature: the method and its options (default
+            [`InverseConfig()`][kfac.layers.curvature.inverse.InverseConfig]);
+            its `make` builds this layer's curvature.
         factor_dtype: dtype of the running factors; default: the wider of
             the parameter dtype and float32. Batch statistics are always
             accumulated in at least float32.
@@ -53,36 +71,49 @@ class KFACBaseLayer(DecompositionAttempts):
             multiplied by `N`), `'batch+sequence'` (over examples and
             positions) or `None` (a summed loss); see
             [`kfac.math`][kfac.math].
-        damping_mode: `'absolute'` (`λ` as given) or `'relative'` (`λ`
-            times the mean eigenvalue of `A ⊗ G`; see
-            [`kfac.math.lowrank`][kfac.math.lowrank]).
 
+    Raises:
+        TypeError: `module` is not a helper, or `curvature` not a
+            [`CurvatureConfig`][kfac.layers.curvature.base.CurvatureConfig].
+        ValueError: the method cannot precondition this module.
     """
-
-    bases_everywhere: ClassVar[bool] = False
-    """Whether every rank that holds examples needs this layer's
-    decompositions, not only its gradient workers (EKFAC: each rank
-    estimates the scaling from its own examples)."""
 
     def __init__(
         self,
         module: ModuleHelper,
         *,
+        curvature: CurvatureConfig | None = None,
         factor_dtype: torch.dtype | None = None,
         inv_dtype: torch.dtype | None = None,
         loss_average: str | None = 'batch',
-        damping_mode: str = 'absolute',
     ) -> None:
-        self.damping_mode = check_choice(
-            'damping_mode', damping_mode, DAMPING_MODES
+        check_instance(
+            'module',
+            module,
+            ModuleHelper,
+            'a kfac.layers.modules.ModuleHelper',
         )
-        super().__init__(
+        config = InverseConfig() if curvature is None else curvature
+        check_instance(
+            'curvature',
+            config,
+            CurvatureConfig,
+            'a kfac.layers.curvature.CurvatureConfig',
+        )
+        self.helper = module
+        """The module's helper."""
+        self._method = config.name
+        self.statistics: LayerStatistics = make_statistics(
             module,
             factor_dtype=factor_dtype,
             inv_dtype=inv_dtype,
             loss_average=loss_average,
         )
-        self.factor_masks = {}
+        """The running factors and how hook data feeds them."""
+        self.factor_masks: dict[str, torch.Tensor] = {}
+        """Per factor name, a boolean mask applied to the matrix before it
+        is decomposed (FSDP2 local mode: keep the blocks of rows one rank
+        owns)."""
         self.grad: torch.Tensor | None = None
         """The preconditioned gradient of the current step, if any."""
         self.raw_grad: torch.Tensor | None = None
@@ -92,41 +123,188 @@ class KFACBaseLayer(DecompositionAttempts):
         """Fault counters: `decomposition_retries`,
         `decomposition_failures`, `unpreconditioned_steps`,
         `nonfinite_gradients` (absent until the first event)."""
+        self.curvature: Curvature = config.make(self)
+        """The method: decompositions and preconditioning."""
+        if self.curvature.keeps_examples:
+            self.statistics.keep_examples()
 
     def __repr__(self) -> str:
-        return f'{type(self).__name__}({self.module.module!r})'
-
-    def follow_module(self) -> bool:  # noqa: D102  # documented in the base
-        moved = super().follow_module()
-        if moved:
-            self.grad = self.raw_grad = None
-        return moved
-
-    def effective_damping(
-        self,
-        damping: float,
-        means: Callable[[], tuple[torch.Tensor, torch.Tensor]],
-    ) -> float | torch.Tensor:
-        """The damping applied: `λ`, or under `damping_mode='relative'`
-        `λ m(A) m(G)` from the factors' mean eigenvalues `means()`
-        ([`relative_damping`][kfac.math.lowrank.relative_damping]).
-        """
-        if self.damping_mode == 'absolute':
-            return damping
-        return relative_damping(damping, *means())
-
-    # Decompositions --------------------------------------------------------
+        return f'{type(self).__name__}({self.helper.module!r}, {self._method})'
 
     @property
-    @abc.abstractmethod
+    def module(self) -> ModuleHelper:
+        """The module's helper (the original's name for `helper`)."""
+        return self.helper
+
+    # Statistics --------------------------------------------------------------
+
+    @property
+    def device(self) -> torch.device:
+        """Device of the module's weight."""
+        return self.statistics.device
+
+    @property
+    def factor_dtype(self) -> torch.dtype:
+        """Dtype of the running factors."""
+        return self.statistics.factor_dtype
+
+    @property
+    def inv_dtype(self) -> torch.dtype:
+        """Dtype of the decompositions and preconditioned gradients."""
+        return self.statistics.inv_dtype
+
+    @property
+    def a(self) -> KroneckerFactor:
+        """Factor `A` (holding its decomposition)."""
+        return self.statistics.a
+
+    @property
+    def g(self) -> KroneckerFactor:
+        """Factor `G` (holding its decomposition)."""
+        return self.statistics.g
+
+    @property
+    def factors(self) -> tuple[KroneckerFactor, ...]:
+        """The running factors this layer keeps, allreduces and saves (see
+        [`LayerStatistics.factors`][kfac.layers.statistics.LayerStatistics.factors]).
+        """
+        return self.statistics.factors
+
+    def factor(self, name: str) -> KroneckerFactor:
+        """The factor called `name` (`'A'`, `'G'`, or a tied use's)."""
+        return self.statistics.factor(name)
+
+    def decomposition_input(self, name: str) -> torch.Tensor | None:
+        """The matrix decomposed for factor `name` (a tied layer combines
+        its uses'), None before the first update.
+        """
+        return self.statistics.decomposition_input(name)
+
+    @property
+    def has_factors(self) -> bool:
+        """Whether the running factors exist."""
+        return self.statistics.has_factors
+
+    @property
+    def captures(self) -> tuple[int, int]:
+        """Captures of `A` and of `G` since the last factor update."""
+        return self.statistics.captures
+
+    def save_layer_input(
+        self, layer_input: torch.Tensor, *, now: bool
+    ) -> None:
+        """Capture the module input of one micro-batch (forward hook)."""
+        self.statistics.save_layer_input(layer_input, now=now)
+
+    def save_layer_grad_output(
+        self,
+        grad_output: torch.Tensor,
+        *,
+        loss_scale: float = 1.0,
+        accumulation_steps: int = 1,
+        now: bool,
+    ) -> None:
+        """Capture the output gradient of one micro-batch (see
+        [`LayerStatistics.save_layer_grad_output`][kfac.layers.statistics.LayerStatistics.save_layer_grad_output]).
+        """
+        self.statistics.save_layer_grad_output(
+            grad_output,
+            loss_scale=loss_scale,
+            accumulation_steps=accumulation_steps,
+            now=now,
+        )
+
+    def prepare_input(
+        self, layer_input: torch.Tensor, *, now: bool
+    ) -> Captured:
+        """Capture the input of one call, added with its output gradient
+        by `add_call`.
+        """
+        return self.statistics.prepare_input(layer_input, now=now)
+
+    def add_call(
+        self,
+        layer_input: Captured,
+        grad_output: torch.Tensor,
+        *,
+        loss_scale: float,
+        accumulation_steps: int,
+        now: bool,
+    ) -> int:
+        """Add one call's input and output gradient to the batch (see
+        [`LayerStatistics.add_call`][kfac.layers.statistics.LayerStatistics.add_call]).
+        """
+        return self.statistics.add_call(
+            layer_input,
+            grad_output,
+            loss_scale=loss_scale,
+            accumulation_steps=accumulation_steps,
+            now=now,
+        )
+
+    def add_examples(self, count: int) -> None:
+        """Count the examples of one backward pass."""
+        self.statistics.add_examples(count)
+
+    def update_factors(
+        self, decay: float, *, compiled: bool = False
+    ) -> torch.Tensor | None:
+        """Fold the captured batch into the running averages, provisionally
+        (see
+        [`LayerStatistics.update_factors`][kfac.layers.statistics.LayerStatistics.update_factors]).
+        """
+        return self.statistics.update_factors(decay, compiled=compiled)
+
+    def commit_factors(self) -> None:
+        """Keep the last `update_factors`."""
+        self.statistics.commit_factors()
+
+    def rollback_factors(self) -> None:
+        """Undo the last `update_factors`."""
+        self.statistics.rollback_factors()
+
+    def reset_batch(self) -> None:
+        """Drop the data captured since the last factor update."""
+        self.statistics.reset_batch()
+
+    def set_factor(self, name: str, value: torch.Tensor | None) -> None:
+        """Replace the running factor `name` (a reduced or loaded value)."""
+        self.statistics.set_factor(name, value)
+
+    def follow_module(self) -> bool:
+        """Follow the module to a new device or dtype (`model.to(...)`);
+        see
+        [`LayerStatistics.follow_module`][kfac.layers.statistics.LayerStatistics.follow_module].
+
+        Returns:
+            Whether the module had moved.
+        """
+        moved = self.statistics.follow_module()
+        if moved:
+            self.grad = self.raw_grad = None
+            self.curvature.follow()
+        return moved
+
+    # Decompositions ----------------------------------------------------------
+
+    @property
+    def bases_everywhere(self) -> bool:
+        """Whether every rank that holds examples needs this layer's
+        decompositions (see
+        [`Curvature.bases_everywhere`][kfac.layers.curvature.base.Curvature.bases_everywhere]).
+        """
+        return self.curvature.bases_everywhere
+
+    @property
     def decomposition_format(self) -> str:
         """Name of the decomposition's layout, checked when loading."""
+        return self.curvature.format
 
-    @abc.abstractmethod
     def decomposition_layout(self, name: str) -> Layout:
         """Shapes of factor `name`'s decomposition tensors, and whether each
         is symmetric (so may be sent as a packed triangle).
         """
+        return self.curvature.layout(name)
 
     def decomposition(self, name: str) -> tuple[torch.Tensor, ...] | None:
         """Factor `name`'s decomposition held on this rank, or None."""
@@ -168,18 +346,106 @@ class KFACBaseLayer(DecompositionAttempts):
         if not self.factor(name).diagonal:
             self.factor_masks[name] = mask
 
-    # Gradients -------------------------------------------------------------
+    def compute_decomposition(self, name: str, damping: float) -> bool:
+        """Decompose factor `name`; store it in the factor.
+
+        Only the factor's inverse worker calls this. A decomposition that
+        raises `torch.linalg.LinAlgError` or returns a non-finite value is
+        retried in float64, then in float64 with a small jitter (see
+        [`kfac.layers.decomposition`][kfac.layers.decomposition]); if all
+        fail, the last good decomposition is kept (none: the layer's
+        gradient goes unpreconditioned) and the failure is counted.
+
+        This is `try_decomposition` followed by `finish_decomposition`;
+        the engine calls those two itself so that one host synchronisation
+        checks all the factors it decomposes.
+
+        Returns:
+            Whether a new decomposition was stored.
+        """
+        first = self.try_decomposition(name, damping)
+        valid = first is not None and bool(first.valid)
+        return self.finish_decomposition(name, damping, first, valid)
+
+    def try_decomposition(
+        self, name: str, damping: float, attempt: int = 0
+    ) -> Attempt | None:
+        """Run one attempt of decomposing factor `name`; store nothing.
+
+        The first attempt (`attempt=0`) needs no host synchronisation
+        beyond what the decomposition routine itself does.
+
+        Returns:
+            The attempt, or None when the routine raised `LinAlgError`.
+        """
+        value = self.decomposition_input(name)
+        if value is None:
+            raise RuntimeError(f'factor {name} of {self} has no value yet')
+        mask = self.factor_masks.get(name)
+        if mask is not None:
+            value = value * mask.to(value.device)
+        dtype, jitter = self._attempts()[attempt]
+        return try_attempt(
+            lambda matrix: self.curvature.decompose(
+                name, matrix, dtype, damping
+            ),
+            value,
+            dtype,
+            jitter,
+        )
+
+    def _attempts(self) -> list[tuple[torch.dtype, float]]:
+        return attempt_plan(self.statistics.decomposition_dtype)
+
+    def finish_decomposition(
+        self,
+        name: str,
+        damping: float,
+        first: Attempt | None,
+        valid: bool,
+    ) -> bool:
+        """Store the first attempt if `valid`, else retry (see
+        `compute_decomposition`).
+
+        Args:
+            name: `'A'` or `'G'`.
+            damping: the damping in force.
+            first: what `try_decomposition` returned for attempt 0.
+            valid: `first.valid`, read on the host.
+
+        Returns:
+            Whether a new decomposition was stored.
+        """
+        if valid and first is not None and self._store(name, first, damping):
+            return True
+        for attempt in range(1, len(self._attempts())):
+            result = self.try_decomposition(name, damping, attempt)
+            if (
+                result is not None
+                and bool(result.valid)
+                and self._store(name, result, damping)
+            ):
+                self.counters['decomposition_retries'] += attempt
+                return True
+        self.counters['decomposition_failures'] += 1
+        return False
+
+    def _store(self, name: str, result: Attempt, damping: float) -> bool:
+        """Keep a valid attempt; False if it cannot be completed."""
+        final = self.curvature.finalize(name, result.tensors, damping)
+        if final is None:
+            return False
+        self.factor(name).decomposition = tuple(
+            t.to(self.inv_dtype) for t in final
+        )
+        return True
+
+    # Gradients ---------------------------------------------------------------
 
     @property
     def has_grad(self) -> bool:
         """Whether the module's weight has a gradient in this step."""
-        return self.module.weight.grad is not None
-
-    @abc.abstractmethod
-    def _precondition(
-        self, grad: torch.Tensor, damping: float
-    ) -> torch.Tensor:
-        """Return the preconditioned `V` (in `inv_dtype`)."""
+        return self.helper.weight.grad is not None
 
     def precondition_grad(
         self, damping: float, grads: Grads | None = None
@@ -191,14 +457,14 @@ class KFACBaseLayer(DecompositionAttempts):
         attempt to compute one failed) the raw gradient stands in for the
         preconditioned one, and the event is counted.
         """
-        grad = self.module.get_grad(grads)
+        grad = self.helper.get_grad(grads)
         if grad is None:
             self.grad = None
             return None
         grad = grad.to(self.inv_dtype)
         self.raw_grad = grad
         if self.has_decomposition:
-            self.grad = self._precondition(grad, damping)
+            self.grad = self.curvature.precondition(grad, damping)
         else:
             self.counters['unpreconditioned_steps'] += 1
             self.grad = grad
@@ -210,7 +476,7 @@ class KFACBaseLayer(DecompositionAttempts):
         """
         if self.grad is not None:
             return self.grad
-        shape = self.module.grad_shape
+        shape = self.helper.grad_shape
         return torch.empty(shape, dtype=self.inv_dtype, device=self.device)
 
     def set_preconditioned_grad(self, grad: torch.Tensor) -> None:
@@ -228,7 +494,7 @@ class KFACBaseLayer(DecompositionAttempts):
             raise RuntimeError(f'{self} has no preconditioned gradient')
         raw = self.raw_grad
         if raw is None:
-            raw = self.module.get_grad(grads)
+            raw = self.helper.get_grad(grads)
             assert raw is not None  # V' exists only for modules with V
         pre = grad.reshape(-1)
         raw = raw.to(grad.dtype).reshape(-1)
@@ -245,7 +511,7 @@ class KFACBaseLayer(DecompositionAttempts):
         grad = self.grad
         self.grad = self.raw_grad = None
         if grad is not None:
-            self.module.set_grad(grad, scale, grads)
+            self.helper.set_grad(grad, scale, grads)
 
     def clear_grad(self) -> None:
         """Forget this step's preconditioned and raw gradients."""
@@ -258,7 +524,7 @@ class KFACBaseLayer(DecompositionAttempts):
         self.grad = self.raw_grad = None
         self.counters['nonfinite_gradients'] += 1
 
-    # State -----------------------------------------------------------------
+    # State -------------------------------------------------------------------
 
     def state_spec(self) -> LayerSpec:
         """What this layer's saved state must look like (checked when a
@@ -272,22 +538,12 @@ class KFACBaseLayer(DecompositionAttempts):
                 for f in FACTOR_NAMES
             },
             frozenset(f.name for f in self.factors if f.diagonal),
-            self.statistic_shapes(),
+            self.curvature.statistic_shapes(),
         )
 
-    def statistic_shapes(self) -> dict[str, tuple[int, ...]]:
-        """The running statistics saved besides the factors, by name, and
-        their shapes (none here).
-        """
-        return {}
-
-    def saved_statistics(self) -> dict[str, torch.Tensor]:
-        """The running statistics besides the factors that exist now."""
-        return {}
-
     def saved_state(self, include_decompositions: bool) -> SavedLayer:
-        """The running factors, and the decompositions held here if
-        `include_decompositions`.
+        """The running factors and the curvature's statistics, and the
+        decompositions held here if `include_decompositions`.
         """
         decomposition = None
         if include_decompositions and self.has_decomposition:
@@ -298,11 +554,13 @@ class KFACBaseLayer(DecompositionAttempts):
         factors = {
             f.name: f.value for f in self.factors if f.value is not None
         }
-        return SavedLayer(factors, decomposition, self.saved_statistics())
+        statistics = self.curvature.saved_statistics()
+        return SavedLayer(factors, decomposition, statistics)
 
     def load_saved_state(self, saved: SavedLayer, keep: bool) -> bool:
         """Restore the running factors of `saved` (a missing one is
-        unset) and, if `keep` (a gradient worker), its decompositions.
+        unset), the curvature's statistics and, if `keep` (a gradient
+        worker), its decompositions.
 
         Returns:
             Whether `saved` had decompositions; without them they must be
@@ -312,30 +570,27 @@ class KFACBaseLayer(DecompositionAttempts):
             self.set_factor(factor.name, saved.factors.get(factor.name))
         self.clear_decompositions()
         restored = saved.decomposition
-        if restored is None:
-            return False
-        if keep:
+        if restored is not None and keep:
             for f in FACTOR_NAMES:
                 self.set_decomposition(f, restored.tensors[f])
-        return True
+        self.curvature.load_statistics(
+            dict(saved.statistics), restored is not None
+        )
+        return restored is not None
 
-    # Introspection ---------------------------------------------------------
+    # Introspection -----------------------------------------------------------
 
     def memory_usage(self) -> dict[str, int]:
         """Bytes held by this layer on this rank.
 
         Keys: `a_factors`, `g_factors`, `a_batch`, `g_batch`,
-        `a_inverses`, `g_inverses` and `grad`.
+        `a_inverses`, `g_inverses` and `grad`, and the curvature's own
+        (EKFAC: `scale`, `example_rows`).
         """
-        usage: dict[str, int] = {}
-        for factor in self.factors:
-            key = factor.name.lower()
-            parts = factor.memory_usage()
-            usage[f'{key}_factors'] = parts['factor']
-            usage[f'{key}_batch'] = parts['batch']
-            usage[f'{key}_inverses'] = parts['decomposition']
         grad = self.grad
-        usage['grad'] = (
-            0 if grad is None else grad.numel() * grad.element_size()
-        )
-        return usage
+        size = 0 if grad is None else grad.numel() * grad.element_size()
+        return {
+            **self.statistics.memory_usage(),
+            'grad': size,
+            **self.curvature.memory_usage(),
+        }

@@ -2,39 +2,29 @@
 
 A factor is decomposed first in the layer's decomposition dtype; when that
 raises `torch.linalg.LinAlgError` or gives a non-finite result, it is
-retried in float64, then in float64 with a small diagonal jitter.
+retried in float64, then in float64 with a small diagonal jitter. Whatever
+the curvature, its layer runs each attempt through these functions.
 """
 
 from __future__ import annotations
 
-import abc
-from collections import Counter
+from collections.abc import Callable
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 from typing import NamedTuple
 
 import torch
 
-from kfac.layers.statistics import LayerStatistics
+from kfac.layers.curvature.base import Decomposed
+
+if TYPE_CHECKING:  # a layer runs its attempts through these functions
+    from kfac.layers.base import KFACBaseLayer
 
 LinAlgError: type[Exception] = torch.linalg.LinAlgError  # type: ignore[attr-defined]  # public, but not re-exported in the stubs
 """`torch.linalg.LinAlgError`, raised by a failed decomposition."""
 
 JITTER = 1e-6
 """Relative diagonal jitter of the last decomposition attempt."""
-
-Layout = tuple[tuple[tuple[int, ...], bool], ...]
-"""Shapes of a decomposition's tensors, each with whether it is symmetric
-(and so may travel as a packed triangle)."""
-
-
-class Decomposed(NamedTuple):
-    """What a decomposition routine returns."""
-
-    tensors: tuple[torch.Tensor, ...]
-    """The decomposition's tensors."""
-    ok: torch.Tensor | None
-    """A 0-d bool tensor when the routine reports success itself, else
-    None (finiteness is checked by the caller)."""
 
 
 class Attempt(NamedTuple):
@@ -88,162 +78,35 @@ def prepare(
     return matrix + jitter * scale * eye
 
 
-class DecompositionAttempts(LayerStatistics, abc.ABC):
-    """Decomposing a layer's factors with retries (the base of
-    [`KFACBaseLayer`][kfac.layers.base.KFACBaseLayer], above its
-    statistics).
+def try_attempt(
+    routine: Callable[[torch.Tensor], Decomposed],
+    value: torch.Tensor,
+    dtype: torch.dtype,
+    jitter: float,
+) -> Attempt | None:
+    """Run `routine` (one curvature's decomposition) on `value` prepared
+    for this attempt (see [`prepare`][kfac.layers.decomposition.prepare]).
 
-    A subclass supplies `_decompose` (one attempt's routine) and may
-    override `_finalize` (what is stored from a valid attempt).
+    Returns:
+        The attempt, or None when the routine raised `LinAlgError`.
     """
-
-    counters: Counter[str]
-    factor_masks: dict[str, torch.Tensor]
-    """Per factor name, a boolean mask applied to the matrix before it
-    is decomposed (FSDP2 local mode: keep the blocks of rows one rank
-    owns)."""
-
-    @abc.abstractmethod
-    def _decompose(
-        self,
-        name: str,
-        matrix: torch.Tensor,
-        dtype: torch.dtype,
-        damping: float,
-    ) -> Decomposed:
-        """Decompose `matrix` (factor `name`) computing in `dtype`.
-
-        Raises:
-            torch.linalg.LinAlgError: the decomposition failed.
-        """
-
-    def compute_decomposition(self, name: str, damping: float) -> bool:
-        """Decompose factor `name`; store it in the factor.
-
-        Only the factor's inverse worker calls this. A decomposition that
-        raises `torch.linalg.LinAlgError` or returns a non-finite value is
-        retried in float64, then in float64 with a small jitter
-        (see [`prepare`][kfac.layers.decomposition.prepare]); if all fail,
-        the last good decomposition is kept (none: the layer's gradient
-        goes unpreconditioned) and the failure is counted.
-
-        This is
-        [`try_decomposition`][kfac.layers.decomposition.DecompositionAttempts.try_decomposition]
-        followed by
-        [`finish_decomposition`][kfac.layers.decomposition.DecompositionAttempts.finish_decomposition];
-        the preconditioner calls those two itself so that one host
-        synchronisation checks all the factors it decomposes.
-
-        Returns:
-            Whether a new decomposition was stored.
-        """
-        first = self.try_decomposition(name, damping)
-        valid = first is not None and bool(first.valid)
-        return self.finish_decomposition(name, damping, first, valid)
-
-    def decomposition_input(self, name: str) -> torch.Tensor | None:
-        """The matrix decomposed for factor `name`: its running average
-        (a tied layer combines those of its uses), None before the first
-        update.
-        """
-        return self.factor(name).value
-
-    def _attempts(self) -> list[tuple[torch.dtype, float]]:
-        """`(dtype, relative jitter)` of each attempt, in order."""
-        return attempt_plan(self.decomposition_dtype)
-
-    def try_decomposition(
-        self,
-        name: str,
-        damping: float,
-        attempt: int = 0,
-    ) -> Attempt | None:
-        """Run one attempt of decomposing factor `name`; store nothing.
-
-        The first attempt (`attempt=0`) needs no host synchronisation
-        beyond what the decomposition routine itself does.
-
-        Returns:
-            The attempt, or None when the routine raised `LinAlgError`.
-        """
-        value = self.decomposition_input(name)
-        if value is None:
-            raise RuntimeError(f'factor {name} of {self} has no value yet')
-        mask = self.factor_masks.get(name)
-        if mask is not None:
-            value = value * mask.to(value.device)
-        dtype, jitter = self._attempts()[attempt]
-        matrix = prepare(value, dtype, jitter)
-        try:
-            tensors, ok = self._decompose(name, matrix, dtype, damping)
-        except LinAlgError:
-            return None
-        valid = all_finite(tensors)
-        return Attempt(tensors, valid if ok is None else valid & ok)
-
-    def finish_decomposition(
-        self,
-        name: str,
-        damping: float,
-        first: Attempt | None,
-        valid: bool,
-    ) -> bool:
-        """Store the first attempt if `valid`, else retry (see
-        [`compute_decomposition`][kfac.layers.decomposition.DecompositionAttempts.compute_decomposition]).
-
-        Args:
-            name: `'A'` or `'G'`.
-            damping: the damping in force.
-            first: what `try_decomposition` returned for attempt 0.
-            valid: `first.valid`, read on the host.
-
-        Returns:
-            Whether a new decomposition was stored.
-        """
-        if valid and first is not None and self._store(name, first, damping):
-            return True
-        for attempt in range(1, len(self._attempts())):
-            result = self.try_decomposition(name, damping, attempt)
-            if (
-                result is not None
-                and bool(result.valid)
-                and self._store(name, result, damping)
-            ):
-                self.counters['decomposition_retries'] += attempt
-                return True
-        self.counters['decomposition_failures'] += 1
-        return False
-
-    def _store(self, name: str, result: Attempt, damping: float) -> bool:
-        """Keep a valid attempt; False if it cannot be completed."""
-        final = self._finalize(name, result.tensors, damping)
-        if final is None:
-            return False
-        self.factor(name).decomposition = tuple(
-            t.to(self.inv_dtype) for t in final
-        )
-        return True
-
-    def _finalize(
-        self,
-        name: str,
-        tensors: tuple[torch.Tensor, ...],
-        damping: float,
-    ) -> tuple[torch.Tensor, ...] | None:
-        """Turn a valid attempt into the stored decomposition (None: it
-        depends on another factor's decomposition, which failed).
-        """
-        return tensors
+    matrix = prepare(value, dtype, jitter)
+    try:
+        tensors, ok = routine(matrix)
+    except LinAlgError:
+        return None
+    valid = all_finite(tensors)
+    return Attempt(tensors, valid if ok is None else valid & ok)
 
 
 def decompose_all(
-    jobs: Sequence[tuple[DecompositionAttempts, str]], damping: float
+    jobs: Sequence[tuple[KFACBaseLayer, str]], damping: float
 ) -> list[int]:
     """Decompose factor `name` of each `(layer, name)` in `jobs`.
 
     All first attempts run, then one host synchronisation reads their
     validity flags; only the failed ones are retried (see
-    [`compute_decomposition`][kfac.layers.decomposition.DecompositionAttempts.compute_decomposition]).
+    [`compute_decomposition`][kfac.layers.base.KFACBaseLayer.compute_decomposition]).
 
     Returns:
         The indices of the jobs whose every attempt failed.

@@ -1,9 +1,11 @@
 """The statistics side of a layer: its two Kronecker factors.
 
-[`LayerStatistics`][kfac.layers.statistics.LayerStatistics] (a base of
-[`KFACBaseLayer`][kfac.layers.base.KFACBaseLayer]) captures hook data into
-the factors `A` and `G`, folds batches into their running averages, and
-follows the module when it moves to another device or dtype.
+[`LayerStatistics`][kfac.layers.statistics.LayerStatistics] (held by a
+[`KFACBaseLayer`][kfac.layers.base.KFACBaseLayer] beside its helper and
+its curvature) captures hook data into the factors `A` and `G`, folds
+batches into their running averages, and follows the module when it moves
+to another device or dtype. A weight tied in two roles has statistics of
+its own kind ([`TiedStatistics`][kfac.layers.tied.TiedStatistics]).
 
 Calls and examples: `A` counts its rows (examples times weight-sharing
 positions, over every call of the module); `G` counts examples once per
@@ -55,9 +57,13 @@ class LayerStatistics:
 
     Args:
         module: helper of the module.
-        factor_dtype: dtype of the running factors (see
-            [`KFACBaseLayer`][kfac.layers.base.KFACBaseLayer]).
-        inv_dtype: dtype of decompositions and preconditioned gradients.
+        factor_dtype: dtype of the running factors; default: the wider of
+            the parameter dtype and float32. Batch statistics are always
+            accumulated in at least float32.
+        inv_dtype: dtype in which decompositions are stored and gradients
+            preconditioned; default: the wider of the parameter dtype and
+            float32. Decompositions are computed in the wider of this and
+            float32.
         loss_average: how the loss averages its terms: `None` (summed),
             `'batch'` (over the `N` examples) or `'batch+sequence'` (over
             the `N T` examples and positions); see [`kfac.math`][kfac.math].
@@ -101,7 +107,27 @@ class LayerStatistics:
         )
         self.examples: ExampleRows | None = None
         """The calls of the current factor update, kept whole when a
-        statistic needs each example (EKFAC's scaling); None otherwise."""
+        statistic needs each example (EKFAC's scaling; see
+        [`keep_examples`][kfac.layers.statistics.LayerStatistics.keep_examples]);
+        None otherwise."""
+
+    def keep_examples(self) -> None:
+        """Keep each call's input and output gradient from now on (a
+        curvature that needs statistics of each example).
+        """
+        self.examples = ExampleRows()
+
+    def example_rows(
+        self, call: Call, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The output-gradient and input rows of one kept call, oriented as
+        `V` (see [`ModuleHelper`][kfac.layers.helper.ModuleHelper]):
+        `(g rows (N, T, out), a rows (N, T, in) or tokens (N, T))`.
+        """
+        return (
+            self.module.g_example_rows(call.grad_output, dtype, call.scale),
+            self.module.a_example_rows(call.layer_input, dtype),
+        )
 
     @property
     def device(self) -> torch.device:
@@ -214,7 +240,8 @@ class LayerStatistics:
         self, layer_input: torch.Tensor, *, now: bool
     ) -> Captured:
         """Capture the input of one call, to be added with its output
-        gradient by [`add_call`][kfac.layers.base.KFACBaseLayer.add_call].
+        gradient by
+        [`add_call`][kfac.layers.statistics.LayerStatistics.add_call].
         """
         return self.keep_input(
             self.a.prepare(layer_input, 1.0, now=now), layer_input
@@ -255,8 +282,8 @@ class LayerStatistics:
 
         The `A` rows are counted; `G`'s examples are counted once per
         backward pass by
-        [`add_examples`][kfac.layers.base.KFACBaseLayer.add_examples], since
-        several calls in one pass are positions of the same examples.
+        [`add_examples`][kfac.layers.statistics.LayerStatistics.add_examples],
+        since several calls in one pass are positions of the same examples.
 
         Returns:
             The number of terms `G` averages over for this call (`N`,
@@ -294,9 +321,9 @@ class LayerStatistics:
             None if the module did not run (nothing changes), else a 0-d
                 bool tensor: whether both batch statistics were finite. The
                 caller then calls
-                [`commit_factors`][kfac.layers.base.KFACBaseLayer.commit_factors]
+                [`commit_factors`][kfac.layers.statistics.LayerStatistics.commit_factors]
                 or
-                [`rollback_factors`][kfac.layers.base.KFACBaseLayer.rollback_factors].
+                [`rollback_factors`][kfac.layers.statistics.LayerStatistics.rollback_factors].
         """
         if self.examples is not None:
             self.examples.seal()
@@ -333,6 +360,25 @@ class LayerStatistics:
     def has_factors(self) -> bool:
         """Whether both running factors exist."""
         return self.a.value is not None and self.g.value is not None
+
+    def decomposition_input(self, name: str) -> torch.Tensor | None:
+        """The matrix decomposed for factor `name`: its running average,
+        None before the first update.
+        """
+        return self.factor(name).value
+
+    def memory_usage(self) -> dict[str, int]:
+        """Bytes held by the factors: `a_factors`, `g_factors`, `a_batch`,
+        `g_batch`, `a_inverses` and `g_inverses`.
+        """
+        usage: dict[str, int] = {}
+        for factor in self.factors:
+            key = factor.name.lower()
+            parts = factor.memory_usage()
+            usage[f'{key}_factors'] = parts['factor']
+            usage[f'{key}_batch'] = parts['batch']
+            usage[f'{key}_inverses'] = parts['decomposition']
+        return usage
 
     def set_factor(self, name: str, value: torch.Tensor | None) -> None:
         """Replace the running factor `name` (a reduced or loaded value).

@@ -5,16 +5,17 @@ shares its weight with the input embedding (`nn.Embedding(V, d)`):
 `lm_head.weight is embedding.weight`. The embedding uses the weight `E`
 as a Linear `s = Eᵀ e_k` from `V` one-hot inputs to `d` outputs; the head
 as `s = E h`, from `d` inputs to `V` outputs. The parameter gets one
-layer, keyed by the first of the two names in model order, that
+layer, keyed by the first of the two names in model order, whose
+statistics ([`TiedStatistics`][kfac.layers.tied.TiedStatistics])
 
 * captures each use's factors separately, as its own layer would
   ([`LayerStatistics`][kfac.layers.statistics.LayerStatistics] per use:
   the embedding's diagonal `A_e` and `(d, d)` `G_e`, the head's `(d, d)`
   `A_h` and `(V, V)` `G_h`), and keeps, allreduces and saves these running
   averages (named `'<module>:A'` and `'<module>:G'`);
-* preconditions `V = (∇E)ᵀ`, of shape `(d, V)` (the embedding's
-  orientation), with one Kronecker product `A ⊗ G` combining both uses:
-  `A = X̄` `(V, V)`, `G = Ȳ` `(d, d)` from
+* and whose curvature preconditions `V = (∇E)ᵀ`, of shape `(d, V)` (the
+  embedding's orientation), with one Kronecker product `A ⊗ G` combining
+  both uses: `A = X̄` `(V, V)`, `G = Ȳ` `(d, d)` from
   [`kronecker_sum_factors`][kfac.math.tied.kronecker_sum_factors] with the
   terms `(A_e, G_e)` and `(G_h, A_h)` (the formula and why it was chosen
   are in [`kfac.math`][kfac.math]), computed from the running averages
@@ -39,24 +40,15 @@ from typing import Any
 
 import torch
 
-from kfac.layers.eigen import KFACEigenLayer
-from kfac.layers.ekfac import KFACEKFACLayer
-from kfac.layers.ekfac import Rows
 from kfac.layers.examples import Call
 from kfac.layers.factor import Captured
 from kfac.layers.factor import KroneckerFactor
 from kfac.layers.helper import Grads
 from kfac.layers.helper import ModuleHelper
-from kfac.layers.inverse import KFACInverseLayer
 from kfac.layers.statistics import LayerStatistics
 from kfac.math.tied import kronecker_sum_factors
 
-__all__ = [
-    'KFACTiedEKFACLayer',
-    'KFACTiedEigenLayer',
-    'KFACTiedInverseLayer',
-    'TiedHelper',
-]
+__all__ = ['TiedHelper', 'TiedStatistics', 'make_statistics']
 
 
 class TiedHelper(ModuleHelper):
@@ -170,14 +162,21 @@ class TiedHelper(ModuleHelper):
         return self.embedding.positions(tensor)
 
 
-class _TiedStatistics(LayerStatistics):
+class TiedStatistics(LayerStatistics):
     """The statistics of a tied weight: one set per use, combined when
-    decomposed (a base placed before `KFACEigenLayer` or
-    `KFACInverseLayer`).
+    decomposed.
+
+    Args:
+        module: the tied weight's helper.
+        **kwargs: see
+            [`LayerStatistics`][kfac.layers.statistics.LayerStatistics].
+
+    Raises:
+        TypeError: `module` is not a
+            [`TiedHelper`][kfac.layers.tied.TiedHelper].
     """
 
     module: TiedHelper
-    grad: torch.Tensor | None
 
     def __init__(self, module: ModuleHelper, **kwargs: Any) -> None:
         if not isinstance(module, TiedHelper):
@@ -217,7 +216,7 @@ class _TiedStatistics(LayerStatistics):
         allowed = ['A', 'G', *(f.name for f in self.factors)]
         raise ValueError(f'factor name must be one of {allowed}; got {name!r}')
 
-    def follow_module(self) -> bool:  # documented in the base
+    def follow_module(self) -> bool:  # noqa: D102  # as in the base
         moved = super().follow_module()
         for use in self.uses:
             use.follow_module()
@@ -236,7 +235,7 @@ class _TiedStatistics(LayerStatistics):
         captured = self.uses[index].prepare_input(layer_input, now=now)
         return self.keep_input(captured._replace(use=index), layer_input)
 
-    def add_call(  # documented in the base
+    def add_call(  # noqa: D102  # as in the base
         self,
         layer_input: Captured,
         grad_output: torch.Tensor,
@@ -270,7 +269,7 @@ class _TiedStatistics(LayerStatistics):
         self._examples = [0, 0]
 
     @property
-    def captures(self) -> tuple[int, int]:
+    def captures(self) -> tuple[int, int]:  # noqa: D102  # as in the base
         a, g = zip(*(use.captures for use in self.uses))
         return (sum(a), sum(g))
 
@@ -299,7 +298,7 @@ class _TiedStatistics(LayerStatistics):
                 )
         return torch.stack(ran).all()
 
-    def reset_batch(self) -> None:
+    def reset_batch(self) -> None:  # noqa: D102  # as in the base
         super().reset_batch()
         self._examples = [0, 0]
 
@@ -341,53 +340,43 @@ class _TiedStatistics(LayerStatistics):
             usage[f'{key}_inverses'] = self.factor(key.upper()).memory_usage()[
                 'decomposition'
             ]
-        grad = self.grad
-        usage['grad'] = (
-            0 if grad is None else grad.numel() * grad.element_size()
-        )
         return usage
 
+    def example_rows(
+        self, call: Call, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The rows of one call of either use, oriented as `V`.
 
-class KFACTiedEigenLayer(_TiedStatistics, KFACEigenLayer):
-    """[`KFACEigenLayer`][kfac.layers.eigen.KFACEigenLayer] of a weight
-    tied in transposed roles (see [`kfac.layers.tied`][kfac.layers.tied]).
-    """
-
-
-class KFACTiedInverseLayer(_TiedStatistics, KFACInverseLayer):
-    """[`KFACInverseLayer`][kfac.layers.inverse.KFACInverseLayer] of a
-    weight tied in transposed roles (see
-    [`kfac.layers.tied`][kfac.layers.tied]).
-    """
-
-
-class KFACTiedEKFACLayer(_TiedStatistics, KFACEKFACLayer):
-    """[`KFACEKFACLayer`][kfac.layers.ekfac.KFACEKFACLayer] of a weight
-    tied in transposed roles (see [`kfac.layers.tied`][kfac.layers.tied]).
-
-    Each example's gradient sums both uses (in the embedding's orientation,
-    `(d, V)`): `Σ_t g_{e,t} e_{k_t}ᵀ` from the embedding and `Σ_t h_t
-    g_{h,t}ᵀ` from the head, so the head's input rows `h` are on the `G`
-    side and its output gradients `g_h` on the `A` side; the one-hot rows
-    are rotated by the combined (dense) `Q_A`.
-    """
-
-    def example_rows(self, call: Call, dtype: torch.dtype) -> Rows:
-        """The rows of one call of either use, oriented as `V`."""
+        Each example's gradient sums both uses (in the embedding's
+        orientation, `(d, V)`): `Σ_t g_{e,t} e_{k_t}ᵀ` from the embedding
+        and `Σ_t h_t g_{h,t}ᵀ` from the head, so the head's input rows `h`
+        are on the `G` side and its output gradients `g_h` on the `A` side.
+        """
         if call.use == 0:
-            embedding = self.module.embedding
-            return (
-                embedding.g_example_rows(call.grad_output, dtype, call.scale),
-                embedding.a_example_rows(call.layer_input, dtype),
-            )
+            return super().example_rows(call, dtype)
         head = self.module.head
         return (
             head.a_example_rows(call.layer_input, dtype),
             head.g_example_rows(call.grad_output, dtype, call.scale),
         )
 
-    def memory_usage(self) -> dict[str, int]:
-        """As for any tied layer, plus EKFAC's `scale` and `example_rows`
-        (see [`KFACEKFACLayer`][kfac.layers.ekfac.KFACEKFACLayer]).
-        """
-        return {**_TiedStatistics.memory_usage(self), **self.scale_memory()}
+
+def make_statistics(
+    helper: ModuleHelper,
+    *,
+    factor_dtype: torch.dtype | None = None,
+    inv_dtype: torch.dtype | None = None,
+    loss_average: str | None = 'batch',
+) -> LayerStatistics:
+    """The statistics of the layer of `helper`: one set per use for a tied
+    weight ([`TiedStatistics`][kfac.layers.tied.TiedStatistics]), the
+    plain ones otherwise.
+    """
+    tied = isinstance(helper, TiedHelper)
+    kind = TiedStatistics if tied else LayerStatistics
+    return kind(
+        helper,
+        factor_dtype=factor_dtype,
+        inv_dtype=inv_dtype,
+        loss_average=loss_average,
+    )

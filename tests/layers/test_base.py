@@ -57,7 +57,8 @@ def test_layer_validates_loss_average() -> None:
     helper = LinearModuleHelper(nn.Linear(2, 2))
     with pytest.raises(ValueError, match='loss_average must be one of'):
         KFACEigenLayer(helper, loss_average='mean')
-    assert KFACEigenLayer(helper, loss_average=None).loss_average is None
+    layer = KFACEigenLayer(helper, loss_average=None)
+    assert layer.statistics.loss_average is None
 
 
 def test_unknown_factor_name_is_rejected() -> None:

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from kfac.layers.base import KFACBaseLayer
-from kfac.layers.eigen import WARM_START_STEPS
+from kfac.layers.curvature.eigen import WARM_START_STEPS
 from kfac.layers.eigen import KFACEigenLayer
 from kfac.math import subspace_iteration
 from testing.asserts import assert_rel_close

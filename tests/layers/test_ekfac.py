@@ -1,6 +1,6 @@
-"""kfac.layers.ekfac: the running scaling, its restart, its state, and
-preconditioning with it (the scaling itself against per-example gradients
-is in tests/system/test_ekfac.py).
+"""kfac.layers.curvature.ekfac: the running scaling, its restart, its
+state, and preconditioning with it (the scaling itself against per-example
+gradients is in tests/system/test_ekfac.py).
 """
 
 from __future__ import annotations
@@ -12,8 +12,10 @@ import pytest
 import torch
 from torch import nn
 
+from kfac.layers.base import KFACBaseLayer
+from kfac.layers.curvature.ekfac import EKFACConfig
+from kfac.layers.curvature.ekfac import EKFACCurvature
 from kfac.layers.eigen import KFACEigenLayer
-from kfac.layers.ekfac import KFACEKFACLayer
 from kfac.layers.modules import LinearModuleHelper
 from kfac.state import SavedLayer
 from testing.asserts import assert_rel_close
@@ -23,9 +25,7 @@ from testing.reference import with_ones
 F64 = torch.float64
 
 
-def capture(
-    layer: KFACEigenLayer, x: torch.Tensor, gout: torch.Tensor
-) -> None:
+def capture(layer: KFACBaseLayer, x: torch.Tensor, gout: torch.Tensor) -> None:
     """One call and its backward pass, as the hooks feed them."""
     captured = layer.prepare_input(x, now=True)
     count = layer.add_call(
@@ -41,14 +41,21 @@ def batch(seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     return x, gout
 
 
-def layer(**kwargs: Any) -> KFACEKFACLayer:
+def layer(**kwargs: Any) -> KFACBaseLayer:
     torch.manual_seed(0)
-    return KFACEKFACLayer(
-        LinearModuleHelper(nn.Linear(4, 3).double()), **kwargs
+    return KFACBaseLayer(
+        LinearModuleHelper(nn.Linear(4, 3).double()),
+        curvature=EKFACConfig(**{'prediv_eigenvalues': False, **kwargs}),
     )
 
 
-def factor_update(ekfac: KFACEigenLayer, seed: int) -> None:
+def curvature(layer: KFACBaseLayer) -> EKFACCurvature:
+    """The layer's EKFAC curvature."""
+    assert isinstance(layer.curvature, EKFACCurvature)
+    return layer.curvature
+
+
+def factor_update(ekfac: KFACBaseLayer, seed: int) -> None:
     """A factor update with a decomposition, as a step does it."""
     capture(ekfac, *batch(seed))
     assert ekfac.update_factors(0.5) is not None
@@ -57,7 +64,7 @@ def factor_update(ekfac: KFACEigenLayer, seed: int) -> None:
         assert ekfac.compute_decomposition(name, 0.1)
 
 
-def expected_batch(ekfac: KFACEKFACLayer, seed: int) -> torch.Tensor:
+def expected_batch(ekfac: KFACBaseLayer, seed: int) -> torch.Tensor:
     x, gout = batch(seed)
     grads = torch.stack(
         [torch.outer(6 * g, a) for g, a in zip(gout, with_ones(x))]
@@ -70,20 +77,26 @@ def expected_batch(ekfac: KFACEKFACLayer, seed: int) -> torch.Tensor:
 def test_first_update_sets_later_ones_average() -> None:
     ekfac = layer()
     factor_update(ekfac, 0)
-    first = ekfac.scale_batch()
+    first = curvature(ekfac).scale_batch()
     assert first is not None
     assert_rel_close(first, expected_batch(ekfac, 0), label='EKFAC layer')
-    assert ekfac.scale_batch() is None  # the calls were handed over once
-    ekfac.update_scale(first, 0.5, 0.1, precompute=True)
-    assert ekfac.scale is not None
-    assert torch.equal(ekfac.scale, first)
+    assert (
+        curvature(ekfac).scale_batch() is None
+    )  # the calls were handed over once
+    ekfac_s = curvature(ekfac)
+    ekfac_s.update_scale(first, 0.5, 0.1, precompute=True)
+    assert ekfac_s.scale is not None
+    assert torch.equal(ekfac_s.scale, first)
     capture(ekfac, *batch(1))
     ekfac.update_factors(0.5)
-    second = ekfac.scale_batch()  # same bases: no decomposition
+    second = curvature(ekfac).scale_batch()  # same bases: no decomposition
     assert second is not None
-    ekfac.update_scale(second, 0.25, 0.1, precompute=True)
+    curvature(ekfac).update_scale(second, 0.25, 0.1, precompute=True)
+    assert ekfac_s.scale is not None
     assert_rel_close(
-        ekfac.scale, 0.25 * first + 0.75 * second, label='EKFAC layer'
+        ekfac_s.scale,
+        0.25 * first + 0.75 * second,
+        label='EKFAC layer',
     )
 
 
@@ -98,18 +111,23 @@ def test_restart_falls_back_to_the_eigenvalues() -> None:
     for one in (ekfac, eigen):
         factor_update(one, 0)
     v = torch.randn(3, 5, dtype=F64)
-    assert ekfac.scale is None
+    assert curvature(ekfac).scale is None
     assert torch.equal(
-        ekfac._precondition(v, 0.1), eigen._precondition(v, 0.1)
+        ekfac.curvature.precondition(v, 0.1),
+        eigen.curvature.precondition(v, 0.1),
     )
-    ekfac.update_scale(torch.ones(3, 5, dtype=F64), 0.5, 0.1, precompute=False)
+    curvature(ekfac).update_scale(
+        torch.ones(3, 5, dtype=F64), 0.5, 0.1, precompute=False
+    )
     assert not torch.equal(
-        ekfac._precondition(v, 0.1), eigen._precondition(v, 0.1)
+        ekfac.curvature.precondition(v, 0.1),
+        eigen.curvature.precondition(v, 0.1),
     )
-    ekfac.restart_scale()
-    assert ekfac.scale is None
+    curvature(ekfac).restart()
+    assert curvature(ekfac).scale is None
     assert torch.equal(
-        ekfac._precondition(v, 0.1), eigen._precondition(v, 0.1)
+        ekfac.curvature.precondition(v, 0.1),
+        eigen.curvature.precondition(v, 0.1),
     )
 
 
@@ -118,16 +136,18 @@ def test_nonfinite_batch_keeps_the_scale() -> None:
     factor_update(ekfac, 0)
     bad = torch.ones(3, 5, dtype=F64)
     bad[1, 2] = math.nan
-    ekfac.update_scale(bad, 0.5, 0.1, precompute=False)  # after a restart
+    curvature(ekfac).update_scale(
+        bad, 0.5, 0.1, precompute=False
+    )  # after a restart
     a, g = ekfac.a.decomposition, ekfac.g.decomposition
     assert a is not None and g is not None
-    assert torch.equal(ekfac.scale, torch.outer(g[1], a[1]))  # type: ignore[arg-type]
+    assert torch.equal(curvature(ekfac).scale, torch.outer(g[1], a[1]))  # type: ignore[arg-type]
     good = torch.full((3, 5), 2.0, dtype=F64)
-    ekfac.update_scale(good, 0.5, 0.1, precompute=False)
-    kept = ekfac.scale
+    curvature(ekfac).update_scale(good, 0.5, 0.1, precompute=False)
+    kept = curvature(ekfac).scale
     assert kept is not None
-    ekfac.update_scale(bad, 0.5, 0.1, precompute=False)
-    assert torch.equal(ekfac.scale, kept)  # type: ignore[arg-type]
+    curvature(ekfac).update_scale(bad, 0.5, 0.1, precompute=False)
+    assert torch.equal(curvature(ekfac).scale, kept)  # type: ignore[arg-type]
 
 
 def test_kept_reciprocal_equals_the_one_formed_each_step() -> None:
@@ -139,16 +159,23 @@ def test_kept_reciprocal_equals_the_one_formed_each_step() -> None:
     v = torch.randn(3, 5, dtype=F64)
     for one in (kept, formed):
         factor_update(one, 0)
-        one.update_scale(s, 0.5, 0.1, precompute=True)
-    assert kept.scale_memory()['scale'] == 2 * formed.scale_memory()['scale']
+        curvature(one).update_scale(s, 0.5, 0.1, precompute=True)
+    assert (
+        curvature(kept).memory_usage()['scale']
+        == 2 * curvature(formed).memory_usage()['scale']
+    )
     for damping in (0.1, 0.1, 0.3):
         assert torch.equal(
-            kept._precondition(v, damping), formed._precondition(v, damping)
+            kept.curvature.precondition(v, damping),
+            formed.curvature.precondition(v, damping),
         )
     elsewhere = layer(prediv_eigenvalues=True)  # no gradient worker
     factor_update(elsewhere, 0)
-    elsewhere.update_scale(s, 0.5, 0.1, precompute=False)
-    assert elsewhere.scale_memory()['scale'] == formed.scale_memory()['scale']
+    curvature(elsewhere).update_scale(s, 0.5, 0.1, precompute=False)
+    assert (
+        curvature(elsewhere).memory_usage()['scale']
+        == curvature(formed).memory_usage()['scale']
+    )
 
 
 def test_rows_are_kept_for_one_factor_update() -> None:
@@ -160,13 +187,13 @@ def test_rows_are_kept_for_one_factor_update() -> None:
     capture(ekfac, *batch(1))  # after the seal
     assert ekfac.memory_usage()['example_rows'] > 0
     ekfac.reset_batch()
-    batch_s = ekfac.scale_batch()
+    batch_s = curvature(ekfac).scale_batch()
     assert batch_s is not None
     assert_rel_close(batch_s, expected_batch(ekfac, 0), label='EKFAC layer')
     capture(ekfac, *batch(2))
     assert ekfac.update_factors(0.5) is not None
     ekfac.rollback_factors()
-    assert ekfac.scale_batch() is None
+    assert curvature(ekfac).scale_batch() is None
     assert ekfac.memory_usage()['example_rows'] == 0
 
 
@@ -174,15 +201,15 @@ def test_a_pass_without_calls_is_not_kept() -> None:
     ekfac = layer()
     ekfac.add_examples(0)
     factor_update(ekfac, 0)
-    assert ekfac.examples is not None
-    assert len(ekfac.examples.take()) == 1
+    assert ekfac.statistics.examples is not None
+    assert len(ekfac.statistics.examples.take()) == 1
 
 
 def test_no_scale_without_bases() -> None:
     ekfac = layer()
     capture(ekfac, *batch(0))
     ekfac.update_factors(0.5)
-    assert ekfac.scale_batch() is None
+    assert curvature(ekfac).scale_batch() is None
 
 
 def test_scale_is_saved_and_loaded() -> None:
@@ -191,48 +218,51 @@ def test_scale_is_saved_and_loaded() -> None:
     factor_update(ekfac, 0)
     assert ekfac.saved_state(True).statistics == {}
     s = torch.rand(3, 5, dtype=F64)
-    ekfac.update_scale(s, 0.5, 0.1, precompute=False)
+    curvature(ekfac).update_scale(s, 0.5, 0.1, precompute=False)
     saved = ekfac.saved_state(True)
     assert torch.equal(saved.statistics['S'], s)
     other = layer()
     assert other.load_saved_state(saved, keep=True)
-    assert torch.equal(other.scale, s)  # type: ignore[arg-type]
+    assert torch.equal(curvature(other).scale, s)  # type: ignore[arg-type]
     other.load_saved_state(SavedLayer(saved.factors), keep=True)
-    assert other.scale is None
+    assert curvature(other).scale is None
     # without the bases S was estimated in: kept where recomputing them
     # gives the same bases (eigh), restarted where not (qr)
     bare = SavedLayer(saved.factors, None, saved.statistics)
     assert not other.load_saved_state(bare, keep=True)
-    assert torch.equal(other.scale, s)  # type: ignore[arg-type]
+    assert torch.equal(curvature(other).scale, s)  # type: ignore[arg-type]
     warm = layer(basis_refresh='qr')
     assert not warm.load_saved_state(bare, keep=True)
-    assert warm.scale is None
+    assert curvature(warm).scale is None
     assert warm.load_saved_state(saved, keep=True)
-    assert torch.equal(warm.scale, s)  # type: ignore[arg-type]
+    assert torch.equal(curvature(warm).scale, s)  # type: ignore[arg-type]
 
 
 def test_scale_follows_the_module() -> None:
     ekfac = layer()
     factor_update(ekfac, 0)
-    ekfac.update_scale(torch.rand(3, 5, dtype=F64), 0.5, 0.1, precompute=False)
+    curvature(ekfac).update_scale(
+        torch.rand(3, 5, dtype=F64), 0.5, 0.1, precompute=False
+    )
     ekfac.module.module.float()
     assert ekfac.follow_module()
-    assert ekfac.scale is not None
-    assert ekfac.scale.dtype == torch.float32
+    moved_s = curvature(ekfac).scale
+    assert moved_s is not None
+    assert moved_s.dtype == torch.float32
     capture(ekfac, *(t.float() for t in batch(1)))
     ekfac.module.module.double()
     assert ekfac.follow_module()  # the kept calls move too
     ekfac.update_factors(0.5)
-    moved = ekfac.scale_batch()
+    moved = curvature(ekfac).scale_batch()
     assert moved is not None
     assert moved.dtype == F64
 
 
-def test_layer_validates_its_options() -> None:
-    helper = LinearModuleHelper(nn.Linear(2, 2))
+def test_config_validates_its_options() -> None:
     with pytest.raises(TypeError, match='prediv_eigenvalues'):
-        KFACEKFACLayer(helper, prediv_eigenvalues='yes')  # type: ignore[arg-type]
+        EKFACConfig(prediv_eigenvalues='yes')  # type: ignore[arg-type]
     with pytest.raises(ValueError, match='basis_refresh'):
-        KFACEKFACLayer(helper, basis_refresh='lanczos')
-    assert KFACEKFACLayer.bases_everywhere
-    assert not KFACEigenLayer.bases_everywhere
+        EKFACConfig(basis_refresh='lanczos')
+    assert layer().bases_everywhere
+    helper = LinearModuleHelper(nn.Linear(2, 2))
+    assert not KFACEigenLayer(helper).bases_everywhere

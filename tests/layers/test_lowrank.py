@@ -1,5 +1,5 @@
-"""kfac.layers.lowrank and relative damping: each layer's preconditioned
-gradient against a dense solve on the explicit damped matrices.
+"""Low-rank factors (`factor_rank`) and relative damping: each layer's
+preconditioned gradient against a dense solve on the explicit damped matrices.
 """
 
 from __future__ import annotations
@@ -8,13 +8,15 @@ import pytest
 import torch
 from torch import nn
 
-from kfac.enums import ComputeMethod
+from kfac.layers.base import KFACBaseLayer
+from kfac.layers.curvature import CurvatureConfig
+from kfac.layers.curvature import EigenConfig
+from kfac.layers.curvature import EKFACConfig
+from kfac.layers.curvature import InverseConfig
 from kfac.layers.eigen import KFACEigenLayer
 from kfac.layers.embedding import EmbeddingModuleHelper
 from kfac.layers.factory import make_layer
 from kfac.layers.inverse import KFACInverseLayer
-from kfac.layers.lowrank import KFACLowRankEigenLayer
-from kfac.layers.lowrank import KFACLowRankInverseLayer
 from kfac.layers.modules import LinearModuleHelper
 from kfac.layers.options import ModuleOptions
 from testing.asserts import assert_rel_close
@@ -46,10 +48,8 @@ def precondition(layer: object) -> tuple[torch.Tensor, torch.Tensor]:
 @pytest.mark.parametrize('method', ['eigen', 'inverse'])
 def test_low_rank_equals_the_dense_solve(rank: int, method: str) -> None:
     """A (5 x 5) always and G (3 x 3) below rank 3 kept at low rank."""
-    cls = (
-        KFACLowRankEigenLayer if method == 'eigen' else KFACLowRankInverseLayer
-    )
-    layer, x, gout = layer_with_data(cls, rank=rank)
+    cls = KFACEigenLayer if method == 'eigen' else KFACInverseLayer
+    layer, x, gout = layer_with_data(cls, factor_rank=rank)
     got, v = precondition(layer)
     a, g = linear_factors(x, gout, bias=True)
     a_hat, g_hat = (
@@ -70,7 +70,7 @@ def test_low_rank_equals_the_dense_solve(rank: int, method: str) -> None:
 def test_qr_refresh_iterates_the_kept_vectors() -> None:
     """The second decomposition starts from the `(n, k)` basis held."""
     layer, _, _ = layer_with_data(
-        KFACLowRankEigenLayer, rank=2, basis_refresh='qr'
+        KFACEigenLayer, factor_rank=2, basis_refresh='qr'
     )
     precondition(layer)
     held = layer.factor('A').decomposition
@@ -90,8 +90,8 @@ def test_qr_refresh_iterates_the_kept_vectors() -> None:
         (KFACEigenLayer, {'prediv_eigenvalues': True}),
         (KFACEigenLayer, {'prediv_eigenvalues': False}),
         (KFACInverseLayer, {}),
-        (KFACLowRankEigenLayer, {'rank': 2}),
-        (KFACLowRankInverseLayer, {'rank': 2}),
+        (KFACEigenLayer, {'factor_rank': 2}),
+        (KFACInverseLayer, {'factor_rank': 2}),
     ],
 )
 def test_relative_damping_is_lambda_times_the_mean_eigenvalues(
@@ -100,7 +100,7 @@ def test_relative_damping_is_lambda_times_the_mean_eigenvalues(
     layer, x, gout = layer_with_data(cls, damping_mode='relative', **kwargs)
     got, v = precondition(layer)
     a, g = linear_factors(x, gout, bias=True)
-    rank = kwargs.get('rank')
+    rank = kwargs.get('factor_rank')
     if isinstance(rank, int):
         a, g = lowrank_plus_constant(a, rank), lowrank_plus_constant(g, rank)
     lam = DAMPING * mean_eigenvalue(a) * mean_eigenvalue(g)
@@ -112,34 +112,35 @@ def test_relative_damping_is_lambda_times_the_mean_eigenvalues(
 def test_layers_refuse_bad_ranks_and_modes() -> None:
     helper = LinearModuleHelper(nn.Linear(4, 3))
     with pytest.raises(ValueError, match='factor_rank'):
-        KFACLowRankEigenLayer(helper, rank=0)
+        KFACEigenLayer(helper, factor_rank=0)
     with pytest.raises(ValueError, match='damping_mode must be one of'):
         KFACEigenLayer(helper, damping_mode='scaled')
     embedding = EmbeddingModuleHelper(nn.Embedding(10, 4))
-    with pytest.raises(ValueError, match='diagonal A'):
-        KFACLowRankInverseLayer(embedding, rank=2)
+    with pytest.raises(ValueError, match='A of an embedding is diagonal'):
+        KFACInverseLayer(embedding, factor_rank=2)
 
 
-def build(helper: object, rank: int | None, method: str) -> object:
-    return make_layer(
+def build(helper: object, rank: int | None, method: CurvatureConfig) -> str:
+    """The decomposition format of the layer the factory builds."""
+    layer = make_layer(
         'm',
         helper,  # type: ignore[arg-type]  # a helper
         ModuleOptions(factor_rank=rank),
-        method=ComputeMethod(method),
-        prediv_eigenvalues=True,
-        basis_refresh='eigh',
+        method=method,
     )
+    assert type(layer) is KFACBaseLayer
+    return layer.decomposition_format
 
 
-def test_factory_picks_the_form() -> None:
+def test_factory_gives_the_method_the_rank() -> None:
     helper = LinearModuleHelper(nn.Linear(4, 3))
-    assert type(build(helper, 5, 'eigen')) is KFACEigenLayer  # none longer
-    assert type(build(helper, 4, 'eigen')) is KFACLowRankEigenLayer
-    assert type(build(helper, 2, 'inverse')) is KFACLowRankInverseLayer
-    assert type(build(helper, None, 'inverse')) is KFACInverseLayer
+    assert build(helper, 5, EigenConfig()) == 'eigen_outer'  # none longer
+    assert build(helper, 4, EigenConfig()) == 'eigen_lowrank'
+    assert build(helper, 2, InverseConfig()) == 'inverse_lowrank'
+    assert build(helper, None, InverseConfig()) == 'inverse'
     with pytest.raises(ValueError, match='EKFAC re-estimates'):
-        build(helper, 2, 'ekfac')
+        build(helper, 2, EKFACConfig())
     embedding = EmbeddingModuleHelper(nn.Embedding(10, 4))
-    assert type(build(embedding, 4, 'eigen')) is KFACEigenLayer
-    with pytest.raises(ValueError, match='not to an embedding'):
-        build(embedding, 3, 'eigen')
+    assert build(embedding, 4, EigenConfig()) == 'eigen_outer'
+    with pytest.raises(ValueError, match='the A of an embedding is diagonal'):
+        build(embedding, 3, EigenConfig())

@@ -17,9 +17,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from kfac._engine.report import format_report
+from kfac.layers.curvature import EigenCurvature
 from kfac.layers.register import register_model
-from kfac.layers.tied import KFACTiedEigenLayer
 from kfac.layers.tied import TiedHelper
+from kfac.layers.tied import TiedStatistics
 from kfac.preconditioner import KFACPreconditioner
 from kfac.state import STATE_VERSION
 from testing.asserts import assert_rel_close
@@ -256,7 +257,10 @@ def test_report_state_and_refusals() -> None:
     other = KFACPreconditioner(model, compute_method='eigen')
     other.load_state_dict(state)
     tied = other.layers['wte']
-    assert isinstance(tied, KFACTiedEigenLayer) and tied.has_decomposition
+    assert isinstance(tied.statistics, TiedStatistics)
+    assert (
+        isinstance(tied.curvature, EigenCurvature) and tied.has_decomposition
+    )
     memory = tied.memory_usage()
     assert memory['a_factors'] == (6 + 36) * 8
     assert memory['g_factors'] == 2 * DIM * DIM * 8
@@ -285,7 +289,7 @@ def test_tied_helper_checks() -> None:
     with pytest.raises(ValueError, match='TiedHelper needs an embedding'):
         TiedHelper(helper.head, helper.embedding, ('head', 'wte'))
     with pytest.raises(TypeError, match='needs a TiedHelper'):
-        KFACTiedEigenLayer(helper.head)
+        TiedStatistics(helper.head)
 
 
 def test_tied_layer_edges() -> None:

@@ -53,8 +53,6 @@ from kfac.layers.base import KFACBaseLayer
 from kfac.layers.eigen import KFACEigenLayer
 from kfac.layers.embedding import EmbeddingModuleHelper
 from kfac.layers.inverse import KFACInverseLayer
-from kfac.layers.lowrank import KFACLowRankEigenLayer
-from kfac.layers.lowrank import KFACLowRankInverseLayer
 from kfac.layers.modules import Conv2dModuleHelper
 from kfac.layers.modules import LinearModuleHelper
 from kfac.layers.modules import ModuleHelper
@@ -484,10 +482,8 @@ def test_low_rank_precondition_flops_match_the_library(
     torch.manual_seed(0)
     x = _input(module, shape)
     (counted_shape,) = layer_shapes(nn.Sequential(module), x)
-    cls = (
-        KFACLowRankEigenLayer if method == 'eigen' else KFACLowRankInverseLayer
-    )
-    layer = cls(_helper(module, 'expand'), rank=rank)
+    cls = KFACEigenLayer if method == 'eigen' else KFACInverseLayer
+    layer = cls(_helper(module, 'expand'), factor_rank=rank)
     out = module(x)
     out.sum().backward()
     layer.save_layer_input(x, now=True)

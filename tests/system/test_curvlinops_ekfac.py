@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kfac.layers.ekfac import KFACEKFACLayer
+from kfac.layers.curvature.ekfac import EKFACCurvature
 from kfac.math import eigen_precondition
 from kfac.preconditioner import KFACPreconditioner
 from testing.asserts import assert_rel_close
@@ -69,10 +69,11 @@ def ours(
     precon.step()
     out = {}
     for name, layer in precon.layers.items():
-        assert isinstance(layer, KFACEKFACLayer)
+        curvature = layer.curvature
+        assert isinstance(curvature, EKFACCurvature)
         a, g = layer.a.decomposition, layer.g.decomposition
-        assert a is not None and g is not None and layer.scale is not None
-        out[name] = (a[0], g[0], layer.scale)
+        assert a is not None and g is not None and curvature.scale is not None
+        out[name] = (a[0], g[0], curvature.scale)
     return out
 
 

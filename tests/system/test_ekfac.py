@@ -19,8 +19,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kfac.layers.base import KFACBaseLayer
 from kfac.layers.blocks import BlockHelper
-from kfac.layers.ekfac import KFACEKFACLayer
+from kfac.layers.curvature.ekfac import EKFACCurvature
 from kfac.preconditioner import KFACPreconditioner
 from testing.asserts import assert_rel_close
 from testing.models import AttentionNet
@@ -116,7 +117,7 @@ def weight_grads(grads: Grads, module: str, bias: bool = True) -> torch.Tensor:
     return v
 
 
-def bases(layer: KFACEKFACLayer) -> tuple[torch.Tensor, torch.Tensor]:
+def bases(layer: KFACBaseLayer) -> tuple[torch.Tensor, torch.Tensor]:
     """`(Q_G, Q_A)` held by the layer (`Q_A = I` for a diagonal `A`)."""
     a, g = layer.a.decomposition, layer.g.decomposition
     assert a is not None and g is not None
@@ -132,11 +133,12 @@ def check_scale(
     label: str,
 ) -> None:
     layer = precon.layers[name]
-    assert isinstance(layer, KFACEKFACLayer)
-    assert layer.scale is not None
+    curvature = layer.curvature
+    assert isinstance(curvature, EKFACCurvature)
+    assert curvature.scale is not None
     qg, qa = bases(layer)
     expected = ekfac_scale_reference(grads, qg, qa, terms)
-    assert_rel_close(layer.scale, expected, rtol=RTOL, label=label)
+    assert_rel_close(curvature.scale, expected, rtol=RTOL, label=label)
 
 
 @pytest.mark.parametrize('in_hook', [True, False])

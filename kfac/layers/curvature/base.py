@@ -1,0 +1,236 @@
+"""The curvature interface: what a layer's method does with its factors.
+
+A [`KFACBaseLayer`][kfac.layers.base.KFACBaseLayer] is composed of a module
+helper (shapes, gradients, hook data), statistics (the running factors `A`
+and `G`) and a *curvature*: the method that turns the factors into a
+decomposition and the decomposition into a preconditioned gradient. The
+curvatures of the library (EIGEN, INVERSE, EKFAC) implement this interface,
+and so can one defined outside it:
+
+```python
+@dataclasses.dataclass(frozen=True)
+class MyConfig(kfac.CurvatureConfig):
+    name: ClassVar[str] = 'mine'
+
+    def make(self, layer):
+        return MyCurvature(layer)
+
+KFACPreconditioner(model, compute_method=MyConfig())
+```
+
+A [`CurvatureConfig`][kfac.layers.curvature.base.CurvatureConfig] is the
+method with its options (validated, frozen, shared by all layers); its
+`make` builds one [`Curvature`][kfac.layers.curvature.base.Curvature] per
+layer, which holds that layer's method state. The engine calls a curvature
+only through this interface and never asks which one it is:
+
+* on each factor's *inverse worker*, `decompose` (one attempt, retried by
+  the layer in float64 and with jitter when it raises or is not finite)
+  and `finalize` (what is kept of a valid attempt);
+* the decomposition's tensors travel to the layer's gradient workers as
+  `layout` says (shapes, and which are symmetric and may travel packed);
+* on the gradient workers, `precondition`;
+* a curvature whose statistics every rank must estimate from its own
+  examples (EKFAC's scaling) sets `bases_everywhere` and
+  `reduces_statistics`, returns them from
+  `batch_statistics` on factor-update steps (after that step's
+  decompositions), and the engine averages them over the ranks and hands
+  them to `update_statistics`; `restart` follows a basis refresh;
+* state: `statistic_shapes`, `saved_statistics`, `load_statistics`;
+  memory: `memory_usage`; placement cost: `cost`.
+
+A curvature never calls `torch.distributed`: the engine moves its tensors.
+"""
+
+from __future__ import annotations
+
+import abc
+import dataclasses
+from typing import TYPE_CHECKING
+from typing import ClassVar
+from typing import NamedTuple
+
+import torch
+
+from kfac.enums import AssignmentStrategy
+
+if TYPE_CHECKING:  # the layer holds its curvature and the curvature its layer
+    from kfac.layers.base import KFACBaseLayer
+
+__all__ = ['Curvature', 'CurvatureConfig', 'Decomposed', 'Layout']
+
+Layout = tuple[tuple[tuple[int, ...], bool], ...]
+"""Shapes of a decomposition's tensors, each with whether it is symmetric
+(and so may travel as a packed triangle)."""
+
+
+class Decomposed(NamedTuple):
+    """What one decomposition attempt returns."""
+
+    tensors: tuple[torch.Tensor, ...]
+    """The decomposition's tensors."""
+    ok: torch.Tensor | None
+    """A 0-d bool tensor when the routine reports success itself, else
+    None (finiteness is checked by the layer)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class CurvatureConfig(abc.ABC):
+    """A curvature method with its options: builds each layer's
+    [`Curvature`][kfac.layers.curvature.base.Curvature].
+
+    Subclasses are frozen dataclasses whose fields are the method's
+    options, validated in `__post_init__`.
+    """
+
+    name: ClassVar[str]
+    """The method's name (logged, and shown by `describe()`)."""
+
+    @abc.abstractmethod
+    def make(self, layer: KFACBaseLayer) -> Curvature:
+        """The curvature of `layer` (called once, when the layer is built).
+
+        Raises:
+            ValueError: the method cannot precondition this layer (the
+                message says why).
+        """
+
+
+class Curvature(abc.ABC):
+    """One layer's method: decomposition, preconditioning, and their state.
+
+    Args:
+        layer: the layer this curvature belongs to; read its factors
+            (`layer.factor('A')`, with `.value`, `.decomposition`,
+            `.diagonal`, `.dim`), its helper (`layer.helper.grad_shape`)
+            and its dtypes (`layer.inv_dtype`) through it.
+    """
+
+    format: str
+    """Name of the decomposition's layout, checked when a saved state is
+    loaded (a decomposition of another format is recomputed)."""
+
+    bases_everywhere: ClassVar[bool] = False
+    """Whether every rank that holds examples needs this layer's
+    decompositions, not only its gradient workers (EKFAC: each rank
+    estimates the scaling from its own examples)."""
+
+    reduces_statistics: ClassVar[bool] = False
+    """Whether `batch_statistics` returns statistics for the engine to
+    average over the ranks on factor-update steps (EKFAC's scaling)."""
+
+    keeps_examples: ClassVar[bool] = False
+    """Whether the layer must keep each call's input and output gradient
+    until the step's decompositions are done (statistics of each example,
+    as EKFAC's scaling)."""
+
+    def __init__(self, layer: KFACBaseLayer) -> None:
+        self.layer = layer
+
+    def __repr__(self) -> str:
+        return f'{type(self).__name__}()'
+
+    # Decomposition (on the inverse worker) --------------------------------
+
+    @abc.abstractmethod
+    def layout(self, name: str) -> Layout:
+        """Shapes of factor `name`'s decomposition tensors, and whether each
+        is symmetric.
+        """
+
+    @abc.abstractmethod
+    def decompose(
+        self,
+        name: str,
+        matrix: torch.Tensor,
+        dtype: torch.dtype,
+        damping: float,
+    ) -> Decomposed:
+        """One attempt at decomposing `matrix` (factor `name`, already in
+        `dtype`, a vector for a diagonal factor).
+
+        Raises:
+            torch.linalg.LinAlgError: the attempt failed (the layer
+                retries).
+        """
+
+    def finalize(
+        self,
+        name: str,
+        tensors: tuple[torch.Tensor, ...],
+        damping: float,
+    ) -> tuple[torch.Tensor, ...] | None:
+        """What is kept of a valid attempt (None: it cannot be completed,
+        for it needs another factor's decomposition, which failed). The
+        default keeps the tensors.
+        """
+        return tensors
+
+    def cost(self, name: str, strategy: AssignmentStrategy) -> float:
+        """KAISA's cost of decomposing factor `name` (balances the inverse
+        workers): a dense `n x n` factor costs `n³` (`COMPUTE`) or `n²`
+        (`MEMORY`), a diagonal one `n`.
+        """
+        factor = self.layer.factor(name)
+        if factor.diagonal:
+            return float(factor.dim)
+        power = 3 if strategy is AssignmentStrategy.COMPUTE else 2
+        return float(factor.dim**power)
+
+    # Preconditioning (on the gradient workers) ----------------------------
+
+    @abc.abstractmethod
+    def precondition(self, grad: torch.Tensor, damping: float) -> torch.Tensor:
+        """`V'` from `V` (`grad`, `(out, in[+1])` in `layer.inv_dtype`);
+        called only when both factors' decompositions are held here.
+        """
+
+    # Statistics the engine reduces on factor-update steps -----------------
+
+    def batch_statistics(self) -> dict[str, torch.Tensor]:
+        """This rank's batch statistics of the last factor update, by name,
+        to be averaged over all ranks (none by default). Called on every
+        rank after the step's decompositions.
+        """
+        return {}
+
+    def update_statistics(  # noqa: B027  # optional: nothing by default
+        self,
+        averaged: dict[str, torch.Tensor],
+        decay: float,
+        damping: float,
+        *,
+        preconditions: bool,
+    ) -> None:
+        """Fold the rank-averaged `batch_statistics` in (`decay`: the
+        factors' `ξ`; `preconditions`: this rank preconditions the layer).
+        """
+
+    def restart(self) -> None:  # noqa: B027  # optional: nothing by default
+        """The factors were just decomposed afresh (a basis refresh)."""
+
+    # State -------------------------------------------------------------------
+
+    def statistic_shapes(self) -> dict[str, tuple[int, ...]]:
+        """The running statistics saved besides the factors, by name, with
+        their shapes (none by default).
+        """
+        return {}
+
+    def saved_statistics(self) -> dict[str, torch.Tensor]:
+        """The running statistics that exist now."""
+        return {}
+
+    def load_statistics(  # noqa: B027  # optional: nothing by default
+        self, saved: dict[str, torch.Tensor], restored: bool
+    ) -> None:
+        """Restore the saved statistics (`restored`: the decompositions
+        were restored too, rather than to be recomputed).
+        """
+
+    def follow(self) -> None:  # noqa: B027  # optional: nothing by default
+        """The layer moved to another device or dtype: move what is held."""
+
+    def memory_usage(self) -> dict[str, int]:
+        """Bytes held besides the factors and decompositions, by kind."""
+        return {}
