@@ -27,6 +27,7 @@ from testing.asserts import assert_rel_close
 from testing.reference import eigen_reference
 from testing.reference import inverse_reference
 from testing.reference import layer_factors
+from testing.reference import lowrank_plus_constant
 
 F64 = torch.float64
 DIM = 3
@@ -115,15 +116,20 @@ def _step(
     return precon
 
 
+@pytest.mark.parametrize('rank', [None, 3])
 @pytest.mark.parametrize('method', ['eigen', 'inverse'])
 def test_tied_factors_and_gradient_equal_the_documented_combination(
-    method: str,
+    method: str, rank: int | None
 ) -> None:
+    """With `factor_rank`, the combined factors are kept at low rank like
+    any dense pair (the reference: their top eigenpairs plus the mean of
+    the rest).
+    """
     torch.manual_seed(0)
     model = TiedLM(7).double()
     idx, y = _data(7)
     ref, v = _reference(model, idx, y)
-    precon = _step(model, idx, y, compute_method=method)
+    precon = _step(model, idx, y, compute_method=method, factor_rank=rank)
     assert list(precon.layers) == ['wte', 'mix']
     layer = precon.layers['wte']
     uses = {f.name: f.value for f in layer.factors}
@@ -140,6 +146,9 @@ def test_tied_factors_and_gradient_equal_the_documented_combination(
     assert combined_a is not None and combined_g is not None
     assert_rel_close(combined_a, a, label='tied combined')
     assert_rel_close(combined_g, g, label='tied combined')
+    if rank is not None:
+        assert layer.decomposition_format == f'{method}_lowrank'
+        a, g = lowrank_plus_constant(a, rank), lowrank_plus_constant(g, rank)
     reference = eigen_reference if method == 'eigen' else inverse_reference
     expected = reference(a, g, v, 0.01)
     grad = model.wte.weight.grad
