@@ -353,7 +353,11 @@ class TiedStatistics(LayerStatistics):
         are on the `G` side and its output gradients `g_h` on the `A` side.
         """
         if call.use == 0:
-            return super().example_rows(call, dtype)
+            embedding = self.module.embedding
+            return (
+                embedding.g_example_rows(call.grad_output, dtype, call.scale),
+                embedding.a_example_rows(call.layer_input, dtype),
+            )
         head = self.module.head
         return (
             head.a_example_rows(call.layer_input, dtype),

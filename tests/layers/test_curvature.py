@@ -1,0 +1,144 @@
+"""kfac.layers.curvature.base: the interface's defaults, and how a method
+object is given and refused.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import ClassVar
+
+import pytest
+import torch
+from torch import nn
+
+from kfac.config import KFACConfig
+from kfac.enums import AssignmentStrategy
+from kfac.layers.base import KFACBaseLayer
+from kfac.layers.curvature import Curvature
+from kfac.layers.curvature import CurvatureConfig
+from kfac.layers.curvature import Decomposed
+from kfac.layers.curvature import EigenConfig
+from kfac.layers.curvature import InverseConfig
+from kfac.layers.curvature.base import Layout
+from kfac.layers.embedding import EmbeddingModuleHelper
+from kfac.layers.factory import make_layer
+from kfac.layers.modules import LinearModuleHelper
+from kfac.layers.options import ModuleOptions
+from testing.models import TinyMLP
+
+
+class Identity(Curvature):
+    """Preconditions with the identity: only the required methods."""
+
+    format = 'identity'
+
+    def layout(self, name: str) -> Layout:
+        return (((1,), False),)
+
+    def decompose(
+        self,
+        name: str,
+        matrix: torch.Tensor,
+        dtype: torch.dtype,
+        damping: float,
+    ) -> Decomposed:
+        return Decomposed((torch.ones(1, dtype=dtype),), None)
+
+    def precondition(self, grad: torch.Tensor, damping: float) -> torch.Tensor:
+        return grad
+
+
+@dataclasses.dataclass(frozen=True)
+class IdentityConfig(CurvatureConfig):
+    name: ClassVar[str] = 'identity'
+
+    def make(self, layer: KFACBaseLayer) -> Identity:
+        return Identity(layer)
+
+
+def test_defaults_of_the_interface() -> None:
+    """A curvature with only the required methods holds no statistics of
+    its own, is costed as KAISA costs a factor, and finalizes as given.
+    """
+    layer = KFACBaseLayer(
+        EmbeddingModuleHelper(nn.Embedding(6, 4)), curvature=IdentityConfig()
+    )
+    curvature = layer.curvature
+    assert repr(curvature) == 'Identity()'
+    assert repr(layer).endswith(', identity)')
+    assert not curvature.bases_everywhere and not curvature.keeps_examples
+    assert not curvature.reduces_statistics
+    assert curvature.batch_statistics() == {}
+    curvature.update_statistics({}, 0.9, 0.1, preconditions=True)
+    curvature.restart()
+    curvature.follow()
+    curvature.load_statistics({}, restored=False)
+    assert curvature.statistic_shapes() == {}
+    assert curvature.saved_statistics() == {}
+    assert curvature.memory_usage() == {}
+    ones = (torch.ones(1),)
+    assert curvature.finalize('A', ones, 0.1) is ones
+    compute, memory = AssignmentStrategy.COMPUTE, AssignmentStrategy.MEMORY
+    assert curvature.cost('A', compute) == 6.0  # diagonal: its length
+    assert curvature.cost('G', compute) == 64.0
+    assert curvature.cost('G', memory) == 16.0
+    assert layer.statistics.examples is None
+
+
+def test_layer_refuses_what_is_not_a_curvature_config() -> None:
+    helper = LinearModuleHelper(nn.Linear(2, 2))
+    with pytest.raises(TypeError, match='curvature must be'):
+        KFACBaseLayer(helper, curvature='eigen')  # type: ignore[arg-type]
+    assert type(KFACBaseLayer(helper).curvature).__name__ == (
+        'InverseCurvature'
+    )
+
+
+def test_factor_rank_needs_a_method_with_a_low_rank_form() -> None:
+    helper = LinearModuleHelper(nn.Linear(4, 3))
+    with pytest.raises(ValueError, match="'identity' has no low-rank form"):
+        make_layer(
+            'm',
+            helper,
+            ModuleOptions(factor_rank=2),
+            method=IdentityConfig(),
+        )
+
+
+def test_config_takes_a_method_object() -> None:
+    config = KFACConfig(compute_method=IdentityConfig())
+    assert config.curvature() == IdentityConfig()
+    layer = config.make_layer(
+        'fc1', LinearModuleHelper(TinyMLP().fc1), ModuleOptions()
+    )
+    assert isinstance(layer.curvature, Identity)
+    given = EigenConfig(basis_refresh='qr')
+    assert KFACConfig(compute_method=given).curvature() is given
+
+
+@pytest.mark.parametrize(
+    ('options', 'match'),
+    [
+        (
+            {'compute_method': InverseConfig(), 'damping_mode': 'relative'},
+            "damping_mode='relative' beside compute_method=InverseConfig",
+        ),
+        (
+            {'compute_method': EigenConfig(), 'basis_refresh': 'qr'},
+            "basis_refresh='qr' beside compute_method=EigenConfig",
+        ),
+        (
+            {'compute_method': EigenConfig(), 'colocate_factors': False},
+            'compute_eigenvalue_outer_product=True needs colocate',
+        ),
+    ],
+)
+def test_config_refuses_flat_options_beside_a_method_object(
+    options: dict[str, object], match: str
+) -> None:
+    with pytest.raises(ValueError, match=match):
+        KFACConfig(**options)  # type: ignore[arg-type]  # the options above
+    prediv_off = EigenConfig(prediv_eigenvalues=False)
+    assert not KFACConfig(
+        compute_method=prediv_off, colocate_factors=False
+    ).colocate_factors
