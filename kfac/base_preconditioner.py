@@ -4,7 +4,7 @@
 combines capture (hooks pairing each forward with its backward), the
 layers' mathematics ([`kfac.layers`][kfac.layers]), the placement of work
 ([`WorkAssignment`][kfac.assignment.WorkAssignment]) and communication
-([`kfac.distributed`][kfac.distributed]); a gradient placement chosen at
+([`kfac.distributed`][kfac.distributed]); a gradient distributor chosen at
 construction (replicated, FSDP2 lossless or local) lets every model take
 the same step. [`KFACPreconditioner`][kfac.preconditioner.KFACPreconditioner]
 builds it all from a model and keyword arguments.
@@ -22,7 +22,8 @@ from typing import Any
 from torch import nn
 
 from kfac._engine.capture import Capture
-from kfac._engine.grad_placement import make_placement
+from kfac._engine.curvature_updates import CurvatureUpdates
+from kfac._engine.distributor import make_distributor
 from kfac._engine.loss_scale import GradScalerLike
 from kfac._engine.loss_scale import check_grad_scaler
 from kfac._engine.metrics import plot_metrics
@@ -33,7 +34,6 @@ from kfac._engine.phases import decompose
 from kfac._engine.phases import precondition
 from kfac._engine.saving import load_layers
 from kfac._engine.saving import save_layers
-from kfac._engine.scales import CurvatureUpdates
 from kfac.assignment import WorkAssignment
 from kfac.config import EngineOptions
 from kfac.distributed import TorchDistributedCommunicator
@@ -122,7 +122,7 @@ class BaseKFACPreconditioner:
         self.communicator = communicator or TorchDistributedCommunicator()
         self._steps = 0
         self._values: tuple[int, HyperparameterValues] | None = None
-        self._placement = make_placement(
+        self._distributor = make_distributor(
             self.options.shard_mode,
             self._layers,
             assignment,
@@ -343,7 +343,7 @@ class BaseKFACPreconditioner:
         if factors:  # curvature statistics, in the bases now in force
             self._curvatures.update(values.factor_decay, values.damping)
         precondition(
-            self._placement,
+            self._distributor,
             self._active(),
             values,
             self._steps,

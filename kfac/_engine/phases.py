@@ -21,7 +21,7 @@ from typing import NamedTuple
 
 import torch
 
-from kfac._engine.grad_placement import GradientPlacement
+from kfac._engine.distributor import GradientDistributor
 from kfac.assignment import WorkAssignment
 from kfac.distributed import TorchDistributedCommunicator
 from kfac.distributed import get_rank
@@ -287,7 +287,7 @@ class ClipMonitor:
 
 
 def precondition(
-    place: GradientPlacement,
+    distributor: GradientDistributor,
     active: list[str],
     values: HyperparameterValues,
     step: int,
@@ -299,26 +299,26 @@ def precondition(
 ) -> None:
     """The preconditioning phase of a step: precondition the `active`
     layers on their gradient workers, clip (`rule`), write `.grad`,
-    holding and moving gradients as `place` says; `monitor` records the
+    holding and moving gradients as `distributor` says; `monitor` records the
     clip.
 
     A layer whose preconditioned gradient is not finite keeps its
     original gradient (counted, logged once); one host read. Every rank
     calls it with the same `active` layers.
     """
-    layers = place.layers
-    for part, grads in place.precondition(active):
+    layers = distributor.layers
+    for part, grads in distributor.precondition(active):
         with phase('precondition'):
             for name in part:
-                if place.assignment.is_grad_worker(name):
+                if distributor.assignment.is_grad_worker(name):
                     _precondition(name, layers[name], values, grads, log_once)
     with phase('kl_clip'):
-        names, stats = place.statistics()
+        names, stats = distributor.statistics()
         flags, scale, clip = _clip(names, stats, values, rule)
     if clip is not None:
         monitor.record(clip, rule)
     ok = dict(zip(names, flags))
-    for part, grads in place.write_back():
+    for part, grads in distributor.write_back():
         with phase('write_back'):
             for name in part:
                 layer = layers[name]

@@ -250,31 +250,33 @@ def broadcast_decompositions(
         layer.set_decomposition(f, tensors if valid else None)
 
 
-# EKFAC's scaling ---------------------------------------------------------
+# Curvatures' own statistics (EKFAC's scaling) ---------------------------
 
 
-def allreduce_scales(
+def allreduce_statistics(
     comm: TorchDistributedCommunicator,
-    scales: Mapping[str, torch.Tensor],
+    statistics: Mapping[str, torch.Tensor],
     *,
     bucketed: bool,
 ) -> dict[str, torch.Tensor]:
-    """Average each layer's batch scaling `S` over all ranks.
+    """Average each of the curvatures' batch statistics over all ranks
+    (see
+    [`Curvature.batch_statistics`][kfac.layers.curvature.base.Curvature.batch_statistics]).
 
-    Every rank calls this with the same layers in the same order (the
-    EKFAC layers whose factors were updated in this step), each holding
-    the `S` of its own examples; a non-finite entry on one rank makes it
-    non-finite on all, which the layers then handle alike.
+    Every rank calls this with the same keys in the same order (the
+    statistics of the layers whose factors were updated in this step),
+    each holding those of its own examples; a non-finite entry on one rank
+    makes it non-finite on all, which the curvatures then handle alike.
 
     Returns:
-        The averages, by layer, identical on every rank.
+        The averages, by key, identical on every rank.
     """
     reduce = comm.allreduce_bucketed if bucketed else comm.allreduce
-    handles = {name: reduce(scale) for name, scale in scales.items()}
+    handles = {key: reduce(value) for key, value in statistics.items()}
     comm.flush()
     return {
-        name: wait(handle, f'scaling allreduce of {name}')
-        for name, handle in handles.items()
+        key: wait(handle, f'curvature statistics allreduce of {key}')
+        for key, handle in handles.items()
     }
 
 

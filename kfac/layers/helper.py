@@ -26,7 +26,7 @@ class Grads:
     """Where layers read and write their parameters' gradients in a step.
 
     A parameter's gradient is its `.grad`, unless a whole tensor stands in
-    for it: a gradient placement holds the whole (gathered) gradient of a
+    for it: a gradient distributor holds the whole (gathered) gradient of a
     parameter sharded by FSDP2 here while its layers precondition, and
     writes the rows back to the shard afterwards. `None` where a `Grads`
     is expected means `.grad` throughout.

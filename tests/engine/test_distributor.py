@@ -1,4 +1,4 @@
-"""The sharded gradient placements on plain (unsharded) layers, without a
+"""The sharded gradient distributors on plain (unsharded) layers, without a
 process group: the branches a partly sharded model takes for its plain
 layers, and a step where no layer was preconditioned.
 """
@@ -10,8 +10,8 @@ import contextlib
 import torch
 from torch import nn
 
-from kfac._engine.grad_placement import Local
-from kfac._engine.grad_placement import Lossless
+from kfac._engine.distributor import Local
+from kfac._engine.distributor import Lossless
 from kfac.distributed._groups import group_ranks
 from kfac.distributed._sharding import owned_entries
 from kfac.layers.helper import Grads

@@ -1,9 +1,9 @@
-"""Gradient placements: how a step holds, moves and writes gradients.
+"""Gradient distributors: how a step holds, moves and writes gradients.
 
 The engine's step is the same sequence of phases for every model; what
 differs between a replicated model (one process or DDP) and one sharded
 by FSDP2 is one object chosen at construction, a
-`GradientPlacement`:
+`GradientDistributor`:
 
 * which layers are preconditioned together and how their gradients are
   held while they are
@@ -16,10 +16,10 @@ by FSDP2 is one object chosen at construction, a
 * how the result is written back
   (`write_back`).
 
-`Replicated` is the placement of
+`Replicated` is the distributor of
 plain parameters; `Lossless` and
 `Local` those of FSDP2 sharded
-parameters (`shard_mode`). Sharded placements take the layers in
+parameters (`shard_mode`). Sharded distributors take the layers in
 *components* (layers that share a parameter go together), so a rank holds
 at most one component's whole gradients at a time plus its own share of
 every preconditioned gradient.
@@ -54,12 +54,12 @@ if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
 
 __all__ = [
-    'GradientPlacement',
+    'GradientDistributor',
     'Local',
     'Lossless',
     'Replicated',
     'components',
-    'make_placement',
+    'make_distributor',
 ]
 
 Parts = Iterator[tuple[list[str], Grads | None]]
@@ -67,7 +67,7 @@ Parts = Iterator[tuple[list[str], Grads | None]]
 write (None: the parameters' `.grad`)."""
 
 
-class GradientPlacement(abc.ABC):
+class GradientDistributor(abc.ABC):
     """How one step's gradients are held, moved and written back.
 
     Every rank calls every method in the same order; the iterators must
@@ -108,7 +108,7 @@ class GradientPlacement(abc.ABC):
     def precondition(self, active: list[str]) -> Parts:
         """Yield the `active` layers in groups with the gradients to read;
         the caller preconditions each group on its gradient workers before
-        asking for the next, and the placement then moves the results.
+        asking for the next, and the distributor then moves the results.
         """
 
     @abc.abstractmethod
@@ -121,12 +121,12 @@ class GradientPlacement(abc.ABC):
     @abc.abstractmethod
     def write_back(self) -> Parts:
         """Yield the layers of `statistics` in groups, each with the
-        gradients the caller writes their results to; the placement
+        gradients the caller writes their results to; the distributor
         finishes writing a group when the next is asked for.
         """
 
 
-class Replicated(GradientPlacement):
+class Replicated(GradientDistributor):
     """Plain parameters (one process, DDP): every rank reads and writes
     whole gradients in `.grad`; receivers get `V'` by broadcast.
     """
@@ -172,7 +172,7 @@ def components(
     )
 
 
-class _Sharded(GradientPlacement):
+class _Sharded(GradientDistributor):
     """FSDP2 parameters: layers taken component by component; each rank
     keeps only the entries of `V'` its shards own until the KL clip's
     scale is known, then writes them into its shards of `.grad`.
@@ -327,14 +327,14 @@ class Local(_Sharded):
             return names, sum_over(self.communicator, stacked, self.group)
 
 
-def make_placement(
+def make_distributor(
     shard_mode: str,
     layers: Mapping[str, KFACBaseLayer],
     assignment: WorkAssignment,
     communicator: TorchDistributedCommunicator,
     phase: Phase,
-) -> GradientPlacement:
-    """The placement for `layers`: `Local` in local mode, `Lossless` when
+) -> GradientDistributor:
+    """The distributor for `layers`: `Local` in local mode, `Lossless` when
     some parameter is sharded, `Replicated` otherwise.
 
     Raises:

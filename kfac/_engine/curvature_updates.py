@@ -19,7 +19,7 @@ import torch
 
 from kfac.assignment import WorkAssignment
 from kfac.distributed import TorchDistributedCommunicator
-from kfac.distributed._exchange import allreduce_scales
+from kfac.distributed._exchange import allreduce_statistics
 from kfac.layers.base import KFACBaseLayer
 from kfac.tracing import Phase
 
@@ -77,7 +77,7 @@ class CurvatureUpdates:
                 for key, tensor in layer.curvature.batch_statistics().items()
             }
         with self.phase('scale_allreduce'):
-            averaged = allreduce_scales(
+            averaged = allreduce_statistics(
                 self.communicator,
                 {k: tensor for k, (_, _, tensor) in batches.items()},
                 bucketed=self.bucketed,
