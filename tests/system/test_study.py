@@ -434,6 +434,20 @@ def test_variants_over_the_defaults_change_one_thing(variant: str) -> None:
         assert f'defaults+{name}' not in study.OVER_DEFAULTS
 
 
+@pytest.mark.parametrize('variant', sorted(study.VARIANTS))
+def test_every_variant_trains(variant: str) -> None:
+    """Each variant builds its preconditioner over `BASE_KFAC` and trains
+    a few steps on the GPT (embeddings, a tied head, sequences) or on the
+    task whose modules it names; one the library refuses fails here.
+    """
+    task = study.TASK_VARIANTS.get(variant, 'gpt')
+    settings = {**study.BASE_KFAC, **study.VARIANTS[variant]}
+    config = runner.kfac_config('sgd', 0.01, variant, settings)
+    record = runner.run(TINY[task](), config, seed=0)
+    assert record['steps'] == 3 and not record['diverged']
+    assert all(math.isfinite(e[2]) for e in record['evals'])
+
+
 def test_the_inverse_variant_is_the_library_defaults() -> None:
     """The defaults' evidence (docs/study.md, "The defaults") ran as the
     variant `inverse`: it sets exactly the constructor's defaults, and a
