@@ -16,7 +16,10 @@ from collections.abc import Callable
 
 import torch
 
+from kfac.math import subspace_iteration
+
 __all__ = [
+    'LINALG_OPS',
     'RateProbe',
     'Rates',
     'calibrate_linalg',
@@ -148,14 +151,23 @@ def _spd(n: int, device: torch.device) -> torch.Tensor:
     return x.T @ x / (4 * n)
 
 
+LINALG_OPS = ('eigh', 'inv', 'cholesky_inverse', 'qr_step')
+"""The operations `calibrate_linalg` times."""
+
+
 def _linalg_ops(m: torch.Tensor) -> dict[str, Callable[[], object]]:
-    return {
+    _, basis = torch.linalg.eigh(m)
+    ops: dict[str, Callable[[], object]] = {
         'eigh': lambda: torch.linalg.eigh(m),
         'inv': lambda: torch.linalg.inv(m),
         'cholesky_inverse': lambda: torch.cholesky_inverse(
             torch.linalg.cholesky(m)
         ),
+        # the warm start (`basis_refresh='qr'`) per step of orthogonal
+        # iteration from a previous basis
+        'qr_step': lambda: subspace_iteration(m, basis, 1),
     }
+    return ops
 
 
 def calibrate_linalg(
@@ -165,10 +177,12 @@ def calibrate_linalg(
 ) -> list[dict[str, float]]:
     """Effective flop constants of ``eigh`` and inverses on this machine.
 
-    For each ``n``, the time of ``torch.linalg.eigh``, ``torch.linalg.inv``
-    and ``torch.cholesky_inverse(torch.linalg.cholesky(.))`` on a random
-    SPD matrix, and ``c = time × matmul rate / n³``: the number of
-    matmul-rate flops per ``n³`` the operation effectively costs.
+    For each ``n``, the time of ``torch.linalg.eigh``, ``torch.linalg.inv``,
+    ``torch.cholesky_inverse(torch.linalg.cholesky(.))`` and one step of
+    the warm start (:func:`kfac.math.subspace_iteration`, one QR step from
+    an eigenbasis) on a random SPD matrix, and ``c = time × matmul rate /
+    n³``: the number of matmul-rate flops per ``n³`` the operation
+    effectively costs.
     """
     rows = []
     for n in sizes:

@@ -9,6 +9,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from benchmarks.compiled import compiled_table
+from benchmarks.machine import LINALG_OPS
 from benchmarks.overlap import overlap_table
 
 __all__ = ['markdown']
@@ -57,13 +58,13 @@ def _machine(result: Mapping[str, Any]) -> str:
             [f'copy GB/s during {model}', _f(r['copy_gbytes_per_s_median'], 1)]
         )
     linalg = _table(
-        ['n', 'eigh ms (c)', 'inv ms (c)', 'cholesky_inverse ms (c)'],
+        ['n', *(f'{op} ms (c)' for op in LINALG_OPS)],
         (
             [
                 int(row['n']),
                 *(
                     f'{row[f"{op}_ms"]:.1f} ({row[f"{op}_c"]:.1f})'
-                    for op in ('eigh', 'inv', 'cholesky_inverse')
+                    for op in LINALG_OPS
                 ),
             ]
             for row in result['linalg']

@@ -30,6 +30,7 @@ import torch
 from benchmarks.study import analysis
 from benchmarks.study import runner
 from benchmarks.study import tasks
+from benchmarks.study import variants
 
 RESULTS = pathlib.Path(__file__).parents[1] / 'results'
 
@@ -55,78 +56,6 @@ GRIDS: dict[str, dict[str, list[float]]] = {
 }
 """The learning rates of each optimizer, a factor of 2 apart."""
 
-BASE_KFAC: dict[str, Any] = {
-    'factor_update_steps': 10,
-    'inv_update_steps': 100,
-    'damping': 0.003,
-    'kl_clip': 1.0,
-    'kl_clip_rule': 'relative',
-}
-"""K-FAC's starting point: updates every 10/100 steps, the relative clip."""
-
-VARIANTS: dict[str, dict[str, Any]] = {
-    'kfac': {},
-    'ekfac': {'compute_method': 'ekfac'},
-    'damping0.03': {'damping': 0.03},
-    'damping0.0003': {'damping': 0.0003},
-    'updates5/50': {'factor_update_steps': 5, 'inv_update_steps': 50},
-    'updates20/200': {'factor_update_steps': 20, 'inv_update_steps': 200},
-    'kl0.001': {'kl_clip': 0.001, 'kl_clip_rule': 'kl'},
-    'noclip': {'kl_clip': None},
-    'clip10': {'kl_clip': 10.0},
-    'mc': {'fisher_type': 'mc'},
-    # (the GPT's tied embedding and head keep whole factors: the low-rank
-    # form does not apply to a tied weight)
-    'rank64': {
-        'factor_rank': 64,
-        'module_options': {'embed|head': {'factor_rank': None}},
-    },
-    'rank32': {
-        'factor_rank': 32,
-        'module_options': {'embed|head': {'factor_rank': None}},
-    },
-    'rank16': {
-        'factor_rank': 16,
-        'module_options': {'embed|head': {'factor_rank': None}},
-    },
-    'blocks512': {'max_factor_dim': 512},
-    'sample0.25': {'position_sample': 0.25},
-    'relative1': {'damping_mode': 'relative', 'damping': 1.0},
-    'qr': {'basis_refresh': 'qr'},
-    # explicit inverses with factored damping: half the eigenbasis's
-    # matrix products per step
-    'inverse': {'compute_method': 'inverse'},
-    # the GPT's blocks left to the optimizer: K-FAC on the tied embedding
-    # and head only (with Muon: the part AdamW trains)
-    'embedonly': {'skip_layers': [r'^blocks\.']},
-    # the autoencoder's Linear layers are modules 1, 3, ..., 15 of its
-    # Sequential: K-FAC on the first and last only (with Muon: the part
-    # AdamW trains), or on the six between them only (Muon's)
-    'outeronly': {'skip_layers': [r'^(3|5|7|9|11|13)$']},
-    'inneronly': {'skip_layers': [r'^(1|15)$']},
-}
-"""K-FAC variants: each changes one thing of `BASE_KFAC`."""
-
-TASK_VARIANTS = {
-    'embedonly': 'gpt',
-    'outeronly': 'autoencoder',
-    'inneronly': 'autoencoder',
-}
-"""The variants that name one task's modules, and that task."""
-
-DEFAULTS = 'defaults'
-"""The variant that sets nothing: `KFACPreconditioner(model,
-optimizer=optimizer)` with the library's defaults."""
-
-OVER_DEFAULTS: dict[str, dict[str, Any]] = {
-    f'{DEFAULTS}+{name}': {**BASE_KFAC, **VARIANTS['inverse'], **change}
-    for name, change in VARIANTS.items()
-    # (not the other compute methods, nor what needs the eigenbasis)
-    if name not in ('kfac', 'inverse', 'ekfac', 'qr')
-}
-"""The variants over the library's defaults (`BASE_KFAC` with INVERSE,
-set explicitly): `defaults+rank64` is `rank64` under INVERSE."""
-
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     """The command line."""
@@ -144,7 +73,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         '--kfac',
         nargs='+',
-        choices=sorted([*VARIANTS, DEFAULTS, *OVER_DEFAULTS]),
+        choices=variants.NAMES,
         help='K-FAC variants; none: the optimizer alone',
     )
     parser.add_argument(
@@ -188,12 +117,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     ):
         parser.error(f'--device {args.device!r}: this torch sees no such GPU')
     for variant in args.kfac or ():
-        name = variant.removeprefix(f'{DEFAULTS}+')
-        if TASK_VARIANTS.get(name, args.task) != args.task:
-            parser.error(
-                f'--kfac {variant}: names modules of task '
-                f'{TASK_VARIANTS[name]!r} only'
-            )
+        refused = variants.refusal(args.task, variant)
+        if refused is not None:
+            parser.error(refused)
     return args
 
 
@@ -215,12 +141,7 @@ def configs(args: argparse.Namespace) -> list[runner.Config]:
             if not args.kfac or args.baselines:
                 out.append(runner.Config(name, lr))
             for variant in args.kfac or ():
-                if variant == DEFAULTS:
-                    settings: dict[str, Any] = {}
-                elif variant in OVER_DEFAULTS:
-                    settings = OVER_DEFAULTS[variant]
-                else:
-                    settings = {**BASE_KFAC, **VARIANTS[variant]}
+                settings = variants.settings(variant)
                 out.append(runner.kfac_config(name, lr, variant, settings))
     return out
 
@@ -304,7 +225,7 @@ def plot_defaults(
         1, len(checked), figsize=(4 * len(checked), 4), squeeze=False
     )
     for axis, row in zip(axes[0], checked):
-        for kfac, style in ((None, '--'), (DEFAULTS, '-')):
+        for kfac, style in ((None, '--'), (variants.DEFAULTS, '-')):
             runs = [
                 r
                 for r in document['runs']
@@ -406,7 +327,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     )
     print(analysis.markdown_own(own, document['metric']))
     checked = analysis.defaults_check(
-        document['runs'], document['higher_is_better'], DEFAULTS
+        document['runs'], document['higher_is_better'], variants.DEFAULTS
     )
     if checked:
         print()

@@ -139,6 +139,17 @@ def train_step(
     return float(loss.detach())
 
 
+Clip = tuple[int, float | None, float | None]
+"""`(step, ν, ‖ν V'‖ / ‖V‖)`: K-FAC's clip scale and the length of what it
+handed the optimizer over the raw gradient's, at its last step (None
+before one), from `KFACPreconditioner.metrics()`."""
+
+
+def _clip(step: int, precon: KFACPreconditioner) -> Clip:
+    metrics = precon.metrics()
+    return step, metrics['kl_clip_scale'], metrics['grad_norm_ratio']
+
+
 def _sync(device: torch.device) -> None:
     """Wait for `device`'s queued work (a clock read after it is true)."""
     if device.type == 'cuda':
@@ -152,10 +163,12 @@ def run(
     the run.
 
     `evals` holds `(step, training wall seconds so far, metric, training
-    CPU seconds so far)` from step 0; a loss that is not finite ends the
-    run (`diverged`). On a GPU the model is drawn on the CPU (the same
-    weights as there) and moved; each batch is moved before its step's
-    clocks start, and the device is synchronised before they stop.
+    CPU seconds so far)` from step 0, and `kfac_clip` what K-FAC's clip
+    did at each evaluation after step 0 (`Clip`; empty for the optimizer
+    alone); a loss that is not finite ends the run (`diverged`). On a GPU
+    the model is drawn on the CPU (the same weights as there) and moved;
+    each batch is moved before its step's clocks start, and the device is
+    synchronised before they stop.
     """
     where = torch.device(device)
     model = task.build(seed).to(where)
@@ -167,6 +180,7 @@ def run(
         )
     batches = task.batches(seed)
     evals = [(0, 0.0, task.evaluate(model), 0.0)]
+    clips: list[Clip] = []
     seconds = cpu = 0.0
     diverged = False
     for step in range(1, task.steps + 1):
@@ -183,6 +197,8 @@ def run(
             break
         if step % task.eval_every == 0 or step == task.steps:
             evals.append((step, seconds, task.evaluate(model), cpu))
+            if precon is not None:
+                clips.append(_clip(step, precon))
     return {
         'label': config.label,
         'optimizer': config.optimizer,
@@ -199,4 +215,5 @@ def run(
         'diverged': diverged,
         'final': math.nan if diverged else evals[-1][2],
         'evals': evals,
+        'kfac_clip': clips,
     }

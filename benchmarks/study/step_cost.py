@@ -1,11 +1,15 @@
-"""CPU seconds per step: an optimizer alone and with K-FAC's defaults.
+"""CPU seconds per step: an optimizer alone and with K-FAC configurations.
 
-One study task, the optimizer alone and with the defaults under each
-`compute_method`, interleaved in one process (one thread), so that load
-on a shared machine falls on all of them alike::
+One study task, the optimizer alone and with each K-FAC configuration
+named (the study's names, `variants.NAMES`; by default `kfac` and
+`defaults`: the defaults under EIGEN and under INVERSE), interleaved in
+one process (one thread), so that load on a shared machine falls on all of
+them alike::
 
     python -m benchmarks.study.step_cost --task gpt --optimizer adamw \
         --lr 0.0015
+    python -m benchmarks.study.step_cost --task cnn --optimizer sgd \
+        --lr 0.04 --kfac kfac rank64 blocks512 sample0.25
 
 Each configuration trains from the same weights on the same batches for
 `--steps` steps (which include the decompositions of every 100th step),
@@ -19,28 +23,35 @@ import argparse
 import statistics
 import time
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 
 from benchmarks.study import runner
 from benchmarks.study import tasks
+from benchmarks.study import variants
 from kfac.preconditioner import KFACPreconditioner
 
-METHODS = ('eigen', 'inverse')
+KFAC = ('kfac', variants.DEFAULTS)
+"""The configurations measured unless `--kfac` names others."""
 
 
 def cost(
-    task: tasks.Task, optimizer: str, lr: float, method: str | None, steps: int
+    task: tasks.Task,
+    optimizer: str,
+    lr: float,
+    settings: dict[str, Any] | None,
+    steps: int,
 ) -> float:
-    """Mean CPU milliseconds per step of `steps` steps (seed 0)."""
+    """Mean CPU milliseconds per step of `steps` steps (seed 0), with
+    K-FAC's keyword arguments `settings` (None: the optimizer alone).
+    """
     model = task.build(0)
     optimizers = runner.make_optimizers(optimizer, model, lr, task)
     precon = (
         None
-        if method is None
-        else KFACPreconditioner(
-            model, optimizer=optimizers, compute_method=method
-        )
+        if settings is None
+        else KFACPreconditioner(model, optimizer=optimizers, **settings)
     )
     batches = task.batches(0)
     cpu = 0.0
@@ -52,8 +63,8 @@ def cost(
     return 1000 * cpu / steps
 
 
-def main(argv: Sequence[str] | None = None) -> dict[str, list[float]]:
-    """Measure and print; the per-repeat figures by configuration."""
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    """The command line."""
     parser = argparse.ArgumentParser(description=__doc__.split('\n')[0])
     parser.add_argument(
         '--task', required=True, choices=['autoencoder', 'cnn', 'gpt']
@@ -62,18 +73,33 @@ def main(argv: Sequence[str] | None = None) -> dict[str, list[float]]:
         '--optimizer', required=True, choices=runner.OPTIMIZERS
     )
     parser.add_argument('--lr', type=float, required=True)
+    parser.add_argument(
+        '--kfac', nargs='+', default=list(KFAC), choices=variants.NAMES
+    )
     parser.add_argument('--steps', type=int, default=300)
     parser.add_argument('--repeats', type=int, default=3)
     args = parser.parse_args(argv)
+    for name in args.kfac:
+        refused = variants.refusal(args.task, name)
+        if refused is not None:
+            parser.error(refused)
+    return args
+
+
+def main(argv: Sequence[str] | None = None) -> dict[str, list[float]]:
+    """Measure and print; the per-repeat figures by configuration."""
+    args = parse_args(argv)
     torch.set_num_threads(1)
     task = tasks.load(args.task)
-    labels: dict[str, str | None] = {f'{args.optimizer} alone': None}
-    labels.update({f'+ K-FAC defaults, {m}': m for m in METHODS})
+    labels: dict[str, dict[str, Any] | None] = {
+        f'{args.optimizer} alone': None
+    }
+    labels.update({f'+ {n}': variants.settings(n) for n in args.kfac})
     results: dict[str, list[float]] = {label: [] for label in labels}
     for _ in range(args.repeats):
-        for label, method in labels.items():
+        for label, settings in labels.items():
             results[label].append(
-                cost(task, args.optimizer, args.lr, method, args.steps)
+                cost(task, args.optimizer, args.lr, settings, args.steps)
             )
     base = statistics.median(next(iter(results.values())))
     for label, values in results.items():

@@ -358,14 +358,14 @@ def autoencoder(
 
 
 def load(name: str) -> Task:
-    """Task `name` on its real data."""
+    """Task `name` on its real data (the name is checked before any data
+    is read).
+    """
+    if name not in ('cnn', 'gpt', 'autoencoder'):
+        raise ValueError(
+            f"task must be 'cnn', 'gpt' or 'autoencoder'; got {name!r}"
+        )
     if name == 'gpt':
         return gpt(load_bytes())
     images = image_data.load_image_data(fallback=False)
-    if name == 'cnn':
-        return cnn(images)
-    if name == 'autoencoder':
-        return autoencoder(images)
-    raise ValueError(
-        f"task must be 'cnn', 'gpt' or 'autoencoder'; got {name!r}"
-    )
+    return cnn(images) if name == 'cnn' else autoencoder(images)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import math
 from collections.abc import Sequence
 
 import pytest
@@ -34,6 +35,9 @@ from benchmarks.harness import Sample
 from benchmarks.harness import cycle_kinds
 from benchmarks.harness import spread
 from benchmarks.harness import step_kind
+from benchmarks.machine import LINALG_OPS
+from benchmarks.machine import Rates
+from benchmarks.machine import calibrate_linalg
 from benchmarks.machine import machine_info
 from benchmarks.models import MLP
 from benchmarks.models import SKIP_LAYERS
@@ -499,6 +503,30 @@ def test_low_rank_precondition_flops_match_the_library(
 
 # --------------------------------------------------------------------------
 # The harness end to end on the MLP (a smoke test: no time is asserted).
+
+
+def test_linalg_constants_include_the_warm_start() -> None:
+    """`make bench`'s machine table times every decomposition the library
+    can run, the warm start's QR step (`basis_refresh='qr'`) beside `eigh`
+    and the inverses; `c` is the time at the stated matmul rate per `n³`.
+    """
+    rates = Rates(flops_per_s=2e9, bytes_per_s=1e9)
+    (row,) = calibrate_linalg(rates, torch.device('cpu'), sizes=(32,))
+    assert set(LINALG_OPS) >= {'eigh', 'qr_step'}
+    for op in LINALG_OPS:
+        assert row[f'{op}_ms'] > 0
+        assert math.isclose(
+            row[f'{op}_c'], row[f'{op}_ms'] / 1e3 * 2e9 / 32**3
+        )
+    text = markdown(
+        {
+            'machine': machine_info(torch.device('cpu')),
+            'linalg': [row],
+            'models': {},
+        }
+    )
+    assert '| n | eigh ms (c) |' in text and 'qr_step ms (c) |' in text
+    assert text.count('| 32 |') == 1
 
 
 def test_run_model_and_report_smoke() -> None:

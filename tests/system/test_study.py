@@ -23,6 +23,7 @@ from benchmarks.study import analysis
 from benchmarks.study import runner
 from benchmarks.study import step_cost
 from benchmarks.study import tasks
+from benchmarks.study import variants
 from examples.data import ImageData
 from kfac.preconditioner import KFACPreconditioner
 
@@ -64,9 +65,12 @@ TINY = {
     [
         runner.Config('sgd', 0.01),
         runner.Config('muon', 0.001),
-        runner.kfac_config('adamw', 0.001, 'kfac', study.BASE_KFAC),
+        runner.kfac_config('adamw', 0.001, 'kfac', variants.BASE_KFAC),
         runner.kfac_config(
-            'sgd', 0.01, 'mc', {**study.BASE_KFAC, **study.VARIANTS['mc']}
+            'sgd',
+            0.01,
+            'mc',
+            {**variants.BASE_KFAC, **variants.VARIANTS['mc']},
         ),
     ],
     ids=['sgd', 'muon', 'adamw+kfac', 'sgd+mc'],
@@ -81,6 +85,14 @@ def test_a_run_trains_and_records(name: str, config: runner.Config) -> None:
         assert seconds == sorted(seconds) and seconds[0] == 0.0
     assert record['final'] == record['evals'][-1][2]
     assert not record['diverged'] and record['steps'] == 3
+    # K-FAC's clip at each evaluation after step 0: a scale in (0, 1] and
+    # a positive norm ratio; nothing for the optimizer alone
+    clips = record['kfac_clip']
+    if config.kfac is None:
+        assert clips == []
+    else:
+        assert [c[0] for c in clips] == [2, 3]
+        assert all(0 < c[1] <= 1 and c[2] > 0 for c in clips)
     # The same seed starts every optimizer from the same weights and
     # batches: step 0's metric is the untrained model's.
     assert record['evals'][0][2] == task.evaluate(task.build(0))
@@ -90,9 +102,9 @@ def test_a_run_trains_and_records(name: str, config: runner.Config) -> None:
 @pytest.mark.parametrize(
     'config',
     [
-        runner.kfac_config('adamw', 0.001, study.DEFAULTS, {}),
+        runner.kfac_config('adamw', 0.001, variants.DEFAULTS, {}),
         runner.kfac_config(
-            'muon', 0.001, 'defaults+mc', study.OVER_DEFAULTS['defaults+mc']
+            'muon', 0.001, 'defaults+mc', variants.OVER_DEFAULTS['defaults+mc']
         ),
     ],
     ids=['adamw+defaults', 'muon+defaults+mc'],
@@ -168,11 +180,14 @@ def test_a_device_it_cannot_use_is_refused(
 def test_a_variant_of_another_tasks_modules_is_refused(
     task: str, variant: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
+    says = f'--kfac {variant}: names modules of task'
     with pytest.raises(SystemExit):
         study.parse_args(['--task', task, '--kfac', variant])
-    assert (
-        f'--kfac {variant}: names modules of task' in capsys.readouterr().err
-    )
+    assert says in capsys.readouterr().err
+    argv = ['--task', task, '--optimizer', 'sgd', '--lr', '0.1']
+    with pytest.raises(SystemExit):
+        step_cost.parse_args([*argv, '--kfac', variant])
+    assert says in capsys.readouterr().err
 
 
 def test_gpu_runs_never_mix_with_the_cpus(
@@ -203,6 +218,8 @@ def test_unknown_names_are_refused() -> None:
         runner.make_optimizers('lamb', task.build(0), 0.1, task)
     with pytest.raises(ValueError, match='task must be'):
         tasks.load('mnist')
+    with pytest.raises(ValueError, match='K-FAC variant must be one of'):
+        variants.settings('shampoo')
 
 
 def _run(
@@ -385,7 +402,7 @@ def test_the_command_line_builds_up_a_study(
     assert out.with_suffix('.png').stat().st_size > 0
     summary = study.main(['--task', 'gpt', '--report', '--out', str(out)])
     assert summary['best_baseline'] == 'adamw lr=0.001'
-    assert document['runs'][1]['kfac_kwargs'] == study.BASE_KFAC
+    assert document['runs'][1]['kfac_kwargs'] == variants.BASE_KFAC
     # the defaults against the optimizer alone: a table and a plot
     study.main(
         [*argv, '--seeds', '0', '--kfac', 'defaults', '--out', str(out)]
@@ -410,16 +427,19 @@ def test_the_defaults_variant_sets_nothing() -> None:
     args = study.parse_args([*argv, '--kfac', 'defaults', 'ekfac'])
     defaults, ekfac = study.configs(args)
     assert defaults.settings() == {}
-    assert ekfac.settings() == {**study.BASE_KFAC, 'compute_method': 'ekfac'}
+    assert ekfac.settings() == {
+        **variants.BASE_KFAC,
+        'compute_method': 'ekfac',
+    }
 
 
-@pytest.mark.parametrize('variant', sorted(study.OVER_DEFAULTS))
+@pytest.mark.parametrize('variant', sorted(variants.OVER_DEFAULTS))
 def test_variants_over_the_defaults_change_one_thing(variant: str) -> None:
     """`defaults+X` sets the library's defaults explicitly and changes
     what `X` changes; the methods and the eigenbasis refresh have none.
     """
     change = variant.removeprefix('defaults+')
-    task = study.TASK_VARIANTS.get(change, 'gpt')
+    task = variants.TASK_VARIANTS.get(change, 'gpt')
     argv = ['--task', task, '--optimizers', 'muon', '--lrs', '0.005']
     (config,) = study.configs(study.parse_args([*argv, '--kfac', variant]))
     assert config.label == f'muon+{variant} lr=0.005'
@@ -429,9 +449,23 @@ def test_variants_over_the_defaults_change_one_thing(variant: str) -> None:
         for key, value in config.settings().items()
         if parameters[key].default != value
     }
-    assert differs == set(study.VARIANTS[change])
-    for name in ('kfac', 'inverse', 'ekfac', 'qr'):
-        assert f'defaults+{name}' not in study.OVER_DEFAULTS
+    assert differs == set(variants.VARIANTS[change])
+    for name in ('kfac', 'inverse', 'ekfac', 'qr', 'ekfac-qr'):
+        assert f'defaults+{name}' not in variants.OVER_DEFAULTS
+
+
+@pytest.mark.parametrize('variant', sorted(variants.VARIANTS))
+def test_every_variant_trains(variant: str) -> None:
+    """Each variant builds its preconditioner over `BASE_KFAC` and trains
+    a few steps on the GPT (embeddings, a tied head, sequences) or on the
+    task whose modules it names; one the library refuses fails here.
+    """
+    task = variants.TASK_VARIANTS.get(variant, 'gpt')
+    settings = {**variants.BASE_KFAC, **variants.VARIANTS[variant]}
+    config = runner.kfac_config('sgd', 0.01, variant, settings)
+    record = runner.run(TINY[task](), config, seed=0)
+    assert record['steps'] == 3 and not record['diverged']
+    assert all(math.isfinite(e[2]) for e in record['evals'])
 
 
 def test_the_inverse_variant_is_the_library_defaults() -> None:
@@ -439,7 +473,7 @@ def test_the_inverse_variant_is_the_library_defaults() -> None:
     variant `inverse`: it sets exactly the constructor's defaults, and a
     run with nothing set repeats its numbers bit for bit.
     """
-    settings = {**study.BASE_KFAC, **study.VARIANTS['inverse']}
+    settings = {**variants.BASE_KFAC, **variants.VARIANTS['inverse']}
     parameters = inspect.signature(KFACPreconditioner).parameters
     for key, value in settings.items():
         assert parameters[key].default == value, key
@@ -448,17 +482,35 @@ def test_the_inverse_variant_is_the_library_defaults() -> None:
         task, runner.kfac_config('adamw', 0.001, 'inverse', settings), 0
     )
     defaults = runner.run(
-        task, runner.kfac_config('adamw', 0.001, study.DEFAULTS, {}), 0
+        task, runner.kfac_config('adamw', 0.001, variants.DEFAULTS, {}), 0
     )
     assert [e[2] for e in explicit['evals']] == [
         e[2] for e in defaults['evals']
     ]
 
 
-@pytest.mark.parametrize('method', [None, *step_cost.METHODS])
-def test_step_cost_trains_each_configuration(method: str | None) -> None:
-    ms = step_cost.cost(TINY['gpt'](), 'adamw', 0.001, method, steps=2)
+@pytest.mark.parametrize('name', [None, *step_cost.KFAC, 'sample0.5'])
+def test_step_cost_trains_each_configuration(name: str | None) -> None:
+    settings = None if name is None else variants.settings(name)
+    ms = step_cost.cost(TINY['gpt'](), 'adamw', 0.001, settings, steps=2)
     assert math.isfinite(ms) and ms > 0
+
+
+def test_step_cost_measures_eigen_and_inverse_with_the_defaults() -> None:
+    """Its default configurations, `kfac` and `defaults`, are the
+    library's defaults under EIGEN and under INVERSE (docs/study.md's
+    measurement).
+    """
+    args = step_cost.parse_args(
+        ['--task', 'gpt', '--optimizer', 'adamw', '--lr', '0.0015']
+    )
+    eigen, inverse = (variants.settings(n) for n in args.kfac)
+    parameters = inspect.signature(KFACPreconditioner).parameters
+    assert inverse == {}
+    assert {
+        key for key, value in eigen.items() if parameters[key].default != value
+    } == {'compute_method'}
+    assert eigen['compute_method'] == 'eigen'
 
 
 @pytest.mark.parametrize('task', sorted(study.GRIDS))
