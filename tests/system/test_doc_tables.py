@@ -11,8 +11,9 @@
   `kfac.tracing.PHASES`, in order.
 * The registration report shown on the troubleshooting page is what its
   code logs, character for character.
-* Every ```python block of ``README.md`` runs (in order, one namespace), and
-  a ``print(...)  # text`` prints ``text``; a block of the README or the
+* Every ```python block of ``README.md`` runs (in order, one namespace)
+  without a warning (`testing.snippets.strictly`), and a
+  ``print(...)  # text`` prints ``text``; a block of the README or the
   docs fenced ```py (shown, not run) needs a process group, a distributed
   checkpoint or a GPU.
 * The README and the docs' first pages state pyproject.toml's torch floor.
@@ -35,6 +36,7 @@ from torch import nn
 
 from kfac.preconditioner import KFACPreconditioner
 from kfac.tracing import PHASES
+from testing.snippets import strictly
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 GUIDE = ROOT / 'docs' / 'guide'
@@ -229,7 +231,10 @@ def test_registration_report_is_what_the_code_logs(
     shown = [body for kind, body in blocks if kind == 'text']
     assert len(code) == 1 and len(shown) == 1, 'one python and one text block'
     caplog.set_level(logging.INFO, logger='kfac')
-    exec(compile(code[0], 'troubleshooting.md', 'exec'), {'__name__': 'doc'})
+    with strictly('the registration report'):
+        exec(
+            compile(code[0], 'troubleshooting.md', 'exec'), {'__name__': 'doc'}
+        )
     logged = [
         record.getMessage()
         for record in caplog.records
@@ -306,5 +311,6 @@ def test_readme_python_blocks_run(request: pytest.FixtureRequest) -> None:
     ]
     assert blocks, 'README has no python block'
     namespace: dict[str, Any] = {'__name__': 'readme', '__expect': _expect}
-    for block in blocks:
-        exec(compile(_checked(block), str(readme), 'exec'), namespace)
+    with strictly('README.md'):
+        for block in blocks:
+            exec(compile(_checked(block), str(readme), 'exec'), namespace)

@@ -1,8 +1,10 @@
 """The documentation site is complete and its code runs as written.
 
 * Every ```python block of a page under ``docs/`` runs (the blocks of one
-  page in order, sharing a namespace); a ``print(...)`` followed by a
-  comment ``# text`` must print exactly ``text``. Blocks fenced as ```py
+  page in order, sharing a namespace) without a Python warning or a
+  ``WARNING`` from a ``kfac`` logger (`testing.snippets.strictly`); a
+  ``print(...)`` followed by a comment ``# text`` must print exactly
+  ``text``. Blocks fenced as ```py
   are shown, not run (distributed launches, GPU-only code, fragments).
 * Every public name of the design contract (DESIGN.md §2) is rendered by
   the API reference: its module has a ``::: module`` directive in
@@ -25,6 +27,10 @@ from typing import Any
 
 import pytest
 import torch
+from torch import nn
+
+from kfac.preconditioner import KFACPreconditioner
+from testing.snippets import strictly
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 DOCS = ROOT / 'docs'
@@ -102,8 +108,25 @@ def test_page_code_runs(
     torch.set_num_threads(1)
     request.addfinalizer(lambda: torch.set_num_threads(threads))
     namespace: dict[str, Any] = {'__name__': 'docs', '__expect': _expect}
-    for block in _runnable(page.read_text()):
-        exec(compile(block, str(page), 'exec'), namespace)
+    with strictly(str(page.relative_to(DOCS))):
+        for block in _runnable(page.read_text()):
+            exec(compile(block, str(page), 'exec'), namespace)
+
+
+def test_a_logged_warning_fails_the_page() -> None:
+    # What the pages once did: a second preconditioner on hooked modules.
+    model = nn.Linear(3, 2)
+    first = KFACPreconditioner(model)
+    hooks = 'already has the hooks'
+    with pytest.raises(AssertionError, match=hooks), strictly('page'):
+        KFACPreconditioner(model).remove()
+    first.remove()
+
+
+def test_a_python_warning_fails_the_page() -> None:
+    # A constant kl_clip below 0.1 under the relative rule warns.
+    with pytest.raises(UserWarning, match='kl_clip_rule'), strictly('page'):
+        KFACPreconditioner(nn.Linear(3, 2), kl_clip=0.001).remove()
 
 
 def test_checked_prints_are_found() -> None:
