@@ -16,17 +16,24 @@
   ``print(...)  # text`` prints ``text``; a block of the README or the
   docs fenced ```py (shown, not run) needs a process group, a distributed
   checkpoint or a GPU.
+* No code block passes `lr=` to the preconditioner: the docs recommend
+  `optimizer=` (`lr=` is kept for scripts written for the original).
+* A code block shown but not run says in a comment what each name it
+  reads but does not define is (``Net``, ``loader``: the reader's own).
 * The README and the docs' first pages state pyproject.toml's torch floor.
 """
 
 from __future__ import annotations
 
+import ast
 import builtins
 import enum
 import inspect
+import io
 import logging
 import pathlib
 import re
+import tokenize
 from collections.abc import Iterator
 from typing import Any
 
@@ -261,6 +268,89 @@ def test_only_code_that_cannot_run_here_is_not_run() -> None:
                 f'{page.relative_to(ROOT)}: a ```py block (not run) that '
                 f'could run as ```python:\n{body}'
             )
+
+
+def _code_blocks() -> Iterator[tuple[str, str]]:
+    """``(page, code)`` of every ```python and ```py block, in page order."""
+    for page in [ROOT / 'README.md', *sorted((ROOT / 'docs').rglob('*.md'))]:
+        for kind, body in FENCE.findall(page.read_text()):
+            if kind in ('py', 'python'):
+                yield str(page.relative_to(ROOT)), body
+
+
+def _called(node: ast.Call) -> str | None:
+    func = node.func
+    if isinstance(func, ast.Attribute):
+        return func.attr
+    return func.id if isinstance(func, ast.Name) else None
+
+
+def test_code_gives_the_preconditioner_the_optimizer_not_lr() -> None:
+    calls = 0
+    for page, code in _code_blocks():
+        for node in ast.walk(ast.parse(code)):
+            if not (
+                isinstance(node, ast.Call)
+                and _called(node) == 'KFACPreconditioner'
+            ):
+                continue
+            calls += 1
+            keywords = {keyword.arg for keyword in node.keywords}
+            assert 'lr' not in keywords, (
+                f'{page}:{node.lineno} of its block passes lr= to '
+                f'KFACPreconditioner; show optimizer=optimizer instead'
+            )
+    assert calls > 10, 'the scan must find the preconditioners of the docs'
+
+
+def _bound_and_read(code: str) -> tuple[set[str], set[str]]:
+    """The names ``code`` binds (anywhere) and the names it reads."""
+    bound: set[str] = set()
+    read: set[str] = set()
+    for node in ast.walk(ast.parse(code)):
+        if isinstance(node, ast.Name):
+            loaded = isinstance(node.ctx, ast.Load)
+            (read if loaded else bound).add(node.id)
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            bound.update(
+                (alias.asname or alias.name).split('.')[0]
+                for alias in node.names
+            )
+        elif isinstance(node, (ast.FunctionDef, ast.ClassDef)):
+            bound.add(node.name)
+        elif isinstance(node, ast.arg):
+            bound.add(node.arg)
+    return bound, read
+
+
+def _comments(code: str) -> str:
+    tokens = tokenize.generate_tokens(io.StringIO(code).readline)
+    return ' '.join(t.string for t in tokens if t.type == tokenize.COMMENT)
+
+
+def test_code_says_where_the_names_it_does_not_define_come_from() -> None:
+    # A name a block reads must be defined in it, in an earlier block of
+    # its page (not for a block that starts a process group: a whole
+    # script), or named in one of its comments as the reader's own.
+    pages: dict[str, set[str]] = {}
+    blocks = 0
+    for page, code in _code_blocks():
+        blocks += 1
+        earlier = pages.setdefault(page, set(dir(builtins)))
+        bound, read = _bound_and_read(code)
+        known = set(dir(builtins)) if UNRUNNABLE[0] in code else earlier
+        comments = _comments(code)
+        unexplained = sorted(
+            name
+            for name in read - bound - known
+            if not re.search(rf'\b{name}\b', comments)
+        )
+        assert not unexplained, (
+            f'{page}: a block reads {unexplained}, defined neither in it nor '
+            f'before it, and no comment of it says what they are:\n{code}'
+        )
+        earlier |= bound
+    assert blocks > 30, 'the scan must find the code of the docs'
 
 
 # -- the torch requirement ----------------------------------------------------
