@@ -21,6 +21,8 @@
 * A code block shown but not run says in a comment what each name it
   reads but does not define is (``Net``, ``loader``: the reader's own).
 * The README and the docs' first pages state pyproject.toml's torch floor.
+* The checkpoints page gives `kfac.state`'s format version and the
+  versions it loads.
 """
 
 from __future__ import annotations
@@ -42,6 +44,8 @@ import torch
 from torch import nn
 
 from kfac.preconditioner import KFACPreconditioner
+from kfac.state import READABLE_VERSIONS
+from kfac.state import STATE_VERSION
 from kfac.tracing import PHASES
 from testing.snippets import strictly
 
@@ -366,6 +370,25 @@ def test_stated_torch_floor_is_the_packages() -> None:
         assert set(stated) == set(floors), (
             f'{name} says torch>={stated}, pyproject.toml {floors[0]}'
         )
+
+
+# -- the checkpoint format ---------------------------------------------------
+
+
+def test_checkpoints_page_gives_the_state_versions() -> None:
+    page = ' '.join((GUIDE / 'checkpoints.md').read_text().split())
+    current = re.findall(r'format `version` \((\d+) today', page)
+    assert current == [str(STATE_VERSION)], (
+        f'checkpoints.md says format version {current}, '
+        f'kfac.state.STATE_VERSION is {STATE_VERSION}'
+    )
+    loaded = re.findall(r'versions (\d+) to (\d+) load', page)
+    assert len(loaded) == 1, 'one sentence "versions A to B load"'
+    first, last = map(int, loaded[0])
+    assert tuple(range(first, last + 1)) == READABLE_VERSIONS, (
+        f'checkpoints.md says versions {first} to {last} load, '
+        f'kfac.state.READABLE_VERSIONS is {READABLE_VERSIONS}'
+    )
 
 
 # -- the README's code -------------------------------------------------------
