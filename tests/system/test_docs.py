@@ -239,3 +239,56 @@ def test_warning_is_explained(message: str) -> None:
         f'docs/guide/troubleshooting.md does not quote the warning '
         f'{message!r} (looked for {phrase!r})'
     )
+
+
+def _scaled_training(unscale_first: bool, **options: Any) -> torch.Tensor:
+    """Ten steps of a GradScaler loop; the parameters at the end."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 16), nn.ReLU(), nn.Linear(16, 3))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    scaler = torch.amp.GradScaler('cpu', init_scale=2.0**10)
+    preconditioner = KFACPreconditioner(
+        model,
+        optimizer=optimizer,
+        grad_scaler=scaler,
+        factor_update_steps=1,
+        inv_update_steps=1,
+        **options,
+    )
+    data = torch.Generator().manual_seed(1)
+    for _ in range(10):
+        x = torch.randn(32, 6, generator=data)
+        y = torch.randint(0, 3, (32,), generator=data)
+        optimizer.zero_grad()
+        loss = nn.functional.cross_entropy(model(x), y)
+        scaler.scale(loss).backward()
+        if unscale_first:
+            scaler.unscale_(optimizer)
+        preconditioner.step()
+        scaler.step(optimizer)
+        scaler.update()
+    return torch.cat([p.detach().flatten() for p in model.parameters()])
+
+
+@pytest.mark.parametrize(
+    ('options', 'order_matters'),
+    [
+        ({}, False),
+        ({'kl_clip': None}, False),
+        ({'kl_clip': 0.001, 'kl_clip_rule': 'kl'}, True),
+    ],
+    ids=['relative', 'no-clip', 'kl'],
+)
+def test_unscale_order_matters_only_under_the_kl_rule(
+    options: dict[str, Any], order_matters: bool
+) -> None:
+    # guide/mixed-precision.md: under 'relative' (or without a clip)
+    # preconditioning before unscale_ gives the same update; under 'kl'
+    # the clip sees the loss scale.
+    first = _scaled_training(True, **options)
+    after = _scaled_training(False, **options)
+    same = torch.allclose(first, after, rtol=1e-5, atol=1e-7)
+    assert same is not order_matters, (
+        f'{options}: the two orders differ by '
+        f'{float((first - after).norm() / first.norm()):.2e} (relative)'
+    )
