@@ -11,6 +11,8 @@
   ``docs/reference/`` and it has a docstring (mkdocstrings shows only
   documented objects).
 * Every module of ``kfac/`` has a reference page.
+* The reference index links every reference page and names every object
+  ``import kfac`` offers (``kfac.__all__``, modules aside).
 * Every warning the library logs is quoted on the troubleshooting page.
 
 ``make docs`` builds the site itself (``mkdocs build --strict``).
@@ -29,6 +31,7 @@ import pytest
 import torch
 from torch import nn
 
+import kfac
 from kfac.preconditioner import KFACPreconditioner
 from testing.snippets import strictly
 
@@ -156,6 +159,28 @@ def test_public_name_is_in_the_api_reference(path: str) -> None:
     assert inspect.getmodule(obj) is module or exported, (
         f'{path} is defined elsewhere and not re-exported'
     )
+
+
+def test_reference_index_links_every_page() -> None:
+    index = (DOCS / 'reference' / 'index.md').read_text()
+    linked = set(re.findall(r'\]\((\w+\.md)\)', index))
+    pages = {p.name for p in (DOCS / 'reference').glob('*.md')}
+    missing = sorted(pages - linked - {'index.md'})
+    assert not missing, f'reference/index.md does not link {missing}'
+
+
+def test_reference_index_names_the_top_level() -> None:
+    index = (DOCS / 'reference' / 'index.md').read_text()
+    named = set(re.findall(r'`(?:kfac\.)?(\w+)`', index))
+    offered = {
+        name
+        for name in kfac.__all__
+        if not name.startswith('__')
+        and not inspect.ismodule(getattr(kfac, name))
+    }
+    assert offered, 'the scan must find what kfac offers'
+    missing = sorted(offered - named)
+    assert not missing, f'reference/index.md does not name {missing}'
 
 
 def _modules() -> set[str]:
