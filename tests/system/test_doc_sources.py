@@ -33,7 +33,7 @@ def _released() -> set[str]:
 
 
 def _upcoming() -> str:
-    found = re.findall(
+    found: list[str] = re.findall(
         r'^## \[Unreleased\] \((\d+\.\d+\.\d+)\)$', CHANGELOG, re.M
     )
     assert len(found) == 1, (
