@@ -66,7 +66,8 @@ def strictly(what: str) -> Iterator[None]:
     records = _Records()
     level = logger.level
     # Records below the logger's level are never created; make sure a
-    # warning is, whatever the code under test sets the root logger to.
+    # warning is, whatever level the root logger has (a page may call
+    # logging.basicConfig).
     logger.setLevel(
         logging.WARNING
         if logger.getEffectiveLevel() > logging.WARNING
