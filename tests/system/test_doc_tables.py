@@ -11,21 +11,31 @@
   `kfac.tracing.PHASES`, in order.
 * The registration report shown on the troubleshooting page is what its
   code logs, character for character.
-* Every ```python block of ``README.md`` runs (in order, one namespace), and
-  a ``print(...)  # text`` prints ``text``; a block of the README or the
+* Every ```python block of ``README.md`` runs (in order, one namespace)
+  without a warning (`testing.snippets.strictly`), and a
+  ``print(...)  # text`` prints ``text``; a block of the README or the
   docs fenced ```py (shown, not run) needs a process group, a distributed
   checkpoint or a GPU.
+* No code block passes `lr=` to the preconditioner: the docs recommend
+  `optimizer=` (`lr=` is kept for scripts written for the original).
+* A code block shown but not run says in a comment what each name it
+  reads but does not define is (``Net``, ``loader``: the reader's own).
 * The README and the docs' first pages state pyproject.toml's torch floor.
+* The checkpoints page gives `kfac.state`'s format version and the
+  versions it loads.
 """
 
 from __future__ import annotations
 
+import ast
 import builtins
 import enum
 import inspect
+import io
 import logging
 import pathlib
 import re
+import tokenize
 from collections.abc import Iterator
 from typing import Any
 
@@ -34,7 +44,10 @@ import torch
 from torch import nn
 
 from kfac.preconditioner import KFACPreconditioner
+from kfac.state import READABLE_VERSIONS
+from kfac.state import STATE_VERSION
 from kfac.tracing import PHASES
+from testing.snippets import strictly
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 GUIDE = ROOT / 'docs' / 'guide'
@@ -229,7 +242,10 @@ def test_registration_report_is_what_the_code_logs(
     shown = [body for kind, body in blocks if kind == 'text']
     assert len(code) == 1 and len(shown) == 1, 'one python and one text block'
     caplog.set_level(logging.INFO, logger='kfac')
-    exec(compile(code[0], 'troubleshooting.md', 'exec'), {'__name__': 'doc'})
+    with strictly('the registration report'):
+        exec(
+            compile(code[0], 'troubleshooting.md', 'exec'), {'__name__': 'doc'}
+        )
     logged = [
         record.getMessage()
         for record in caplog.records
@@ -258,6 +274,89 @@ def test_only_code_that_cannot_run_here_is_not_run() -> None:
             )
 
 
+def _code_blocks() -> Iterator[tuple[str, str]]:
+    """``(page, code)`` of every ```python and ```py block, in page order."""
+    for page in [ROOT / 'README.md', *sorted((ROOT / 'docs').rglob('*.md'))]:
+        for kind, body in FENCE.findall(page.read_text()):
+            if kind in ('py', 'python'):
+                yield str(page.relative_to(ROOT)), body
+
+
+def _called(node: ast.Call) -> str | None:
+    func = node.func
+    if isinstance(func, ast.Attribute):
+        return func.attr
+    return func.id if isinstance(func, ast.Name) else None
+
+
+def test_code_gives_the_preconditioner_the_optimizer_not_lr() -> None:
+    calls = 0
+    for page, code in _code_blocks():
+        for node in ast.walk(ast.parse(code)):
+            if not (
+                isinstance(node, ast.Call)
+                and _called(node) == 'KFACPreconditioner'
+            ):
+                continue
+            calls += 1
+            keywords = {keyword.arg for keyword in node.keywords}
+            assert 'lr' not in keywords, (
+                f'{page}:{node.lineno} of its block passes lr= to '
+                f'KFACPreconditioner; show optimizer=optimizer instead'
+            )
+    assert calls > 10, 'the scan must find the preconditioners of the docs'
+
+
+def _bound_and_read(code: str) -> tuple[set[str], set[str]]:
+    """The names ``code`` binds (anywhere) and the names it reads."""
+    bound: set[str] = set()
+    read: set[str] = set()
+    for node in ast.walk(ast.parse(code)):
+        if isinstance(node, ast.Name):
+            loaded = isinstance(node.ctx, ast.Load)
+            (read if loaded else bound).add(node.id)
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            bound.update(
+                (alias.asname or alias.name).split('.')[0]
+                for alias in node.names
+            )
+        elif isinstance(node, (ast.FunctionDef, ast.ClassDef)):
+            bound.add(node.name)
+        elif isinstance(node, ast.arg):
+            bound.add(node.arg)
+    return bound, read
+
+
+def _comments(code: str) -> str:
+    tokens = tokenize.generate_tokens(io.StringIO(code).readline)
+    return ' '.join(t.string for t in tokens if t.type == tokenize.COMMENT)
+
+
+def test_code_says_where_the_names_it_does_not_define_come_from() -> None:
+    # A name a block reads must be defined in it, in an earlier block of
+    # its page (not for a block that starts a process group: a whole
+    # script), or named in one of its comments as the reader's own.
+    pages: dict[str, set[str]] = {}
+    blocks = 0
+    for page, code in _code_blocks():
+        blocks += 1
+        earlier = pages.setdefault(page, set(dir(builtins)))
+        bound, read = _bound_and_read(code)
+        known = set(dir(builtins)) if UNRUNNABLE[0] in code else earlier
+        comments = _comments(code)
+        unexplained = sorted(
+            name
+            for name in read - bound - known
+            if not re.search(rf'\b{name}\b', comments)
+        )
+        assert not unexplained, (
+            f'{page}: a block reads {unexplained}, defined neither in it nor '
+            f'before it, and no comment of it says what they are:\n{code}'
+        )
+        earlier |= bound
+    assert blocks > 30, 'the scan must find the code of the docs'
+
+
 # -- the torch requirement ----------------------------------------------------
 
 
@@ -271,6 +370,25 @@ def test_stated_torch_floor_is_the_packages() -> None:
         assert set(stated) == set(floors), (
             f'{name} says torch>={stated}, pyproject.toml {floors[0]}'
         )
+
+
+# -- the checkpoint format ---------------------------------------------------
+
+
+def test_checkpoints_page_gives_the_state_versions() -> None:
+    page = ' '.join((GUIDE / 'checkpoints.md').read_text().split())
+    current = re.findall(r'format `version` \((\d+) today', page)
+    assert current == [str(STATE_VERSION)], (
+        f'checkpoints.md says format version {current}, '
+        f'kfac.state.STATE_VERSION is {STATE_VERSION}'
+    )
+    loaded = re.findall(r'versions (\d+) to (\d+) load', page)
+    assert len(loaded) == 1, 'one sentence "versions A to B load"'
+    first, last = map(int, loaded[0])
+    assert tuple(range(first, last + 1)) == READABLE_VERSIONS, (
+        f'checkpoints.md says versions {first} to {last} load, '
+        f'kfac.state.READABLE_VERSIONS is {READABLE_VERSIONS}'
+    )
 
 
 # -- the README's code -------------------------------------------------------
@@ -306,5 +424,6 @@ def test_readme_python_blocks_run(request: pytest.FixtureRequest) -> None:
     ]
     assert blocks, 'README has no python block'
     namespace: dict[str, Any] = {'__name__': 'readme', '__expect': _expect}
-    for block in blocks:
-        exec(compile(_checked(block), str(readme), 'exec'), namespace)
+    with strictly('README.md'):
+        for block in blocks:
+            exec(compile(_checked(block), str(readme), 'exec'), namespace)

@@ -1,14 +1,18 @@
 """The documentation site is complete and its code runs as written.
 
 * Every ```python block of a page under ``docs/`` runs (the blocks of one
-  page in order, sharing a namespace); a ``print(...)`` followed by a
-  comment ``# text`` must print exactly ``text``. Blocks fenced as ```py
+  page in order, sharing a namespace) without a Python warning or a
+  ``WARNING`` from a ``kfac`` logger (`testing.snippets.strictly`); a
+  ``print(...)`` followed by a comment ``# text`` must print exactly
+  ``text``. Blocks fenced as ```py
   are shown, not run (distributed launches, GPU-only code, fragments).
 * Every public name of the design contract (DESIGN.md §2) is rendered by
   the API reference: its module has a ``::: module`` directive in
   ``docs/reference/`` and it has a docstring (mkdocstrings shows only
   documented objects).
 * Every module of ``kfac/`` has a reference page.
+* The reference index links every reference page and names every object
+  ``import kfac`` offers (``kfac.__all__``, modules aside).
 * Every warning the library logs is quoted on the troubleshooting page.
 
 ``make docs`` builds the site itself (``mkdocs build --strict``).
@@ -25,6 +29,11 @@ from typing import Any
 
 import pytest
 import torch
+from torch import nn
+
+import kfac
+from kfac.preconditioner import KFACPreconditioner
+from testing.snippets import strictly
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 DOCS = ROOT / 'docs'
@@ -103,8 +112,25 @@ def test_page_code_runs(
     torch.set_num_threads(1)
     request.addfinalizer(lambda: torch.set_num_threads(threads))
     namespace: dict[str, Any] = {'__name__': 'docs', '__expect': _expect}
-    for block in _runnable(page.read_text()):
-        exec(compile(block, str(page), 'exec'), namespace)
+    with strictly(str(page.relative_to(DOCS))):
+        for block in _runnable(page.read_text()):
+            exec(compile(block, str(page), 'exec'), namespace)
+
+
+def test_a_logged_warning_fails_the_page() -> None:
+    # What the pages once did: a second preconditioner on hooked modules.
+    model = nn.Linear(3, 2)
+    first = KFACPreconditioner(model)
+    hooks = 'already has the hooks'
+    with pytest.raises(AssertionError, match=hooks), strictly('page'):
+        KFACPreconditioner(model).remove()
+    first.remove()
+
+
+def test_a_python_warning_fails_the_page() -> None:
+    # A constant kl_clip below 0.1 under the relative rule warns.
+    with pytest.raises(UserWarning, match='kl_clip_rule'), strictly('page'):
+        KFACPreconditioner(nn.Linear(3, 2), kl_clip=0.001).remove()
 
 
 def test_checked_prints_are_found() -> None:
@@ -134,6 +160,28 @@ def test_public_name_is_in_the_api_reference(path: str) -> None:
     assert inspect.getmodule(obj) is module or exported, (
         f'{path} is defined elsewhere and not re-exported'
     )
+
+
+def test_reference_index_links_every_page() -> None:
+    index = (DOCS / 'reference' / 'index.md').read_text()
+    linked = set(re.findall(r'\]\((\w+\.md)\)', index))
+    pages = {p.name for p in (DOCS / 'reference').glob('*.md')}
+    missing = sorted(pages - linked - {'index.md'})
+    assert not missing, f'reference/index.md does not link {missing}'
+
+
+def test_reference_index_names_the_top_level() -> None:
+    index = (DOCS / 'reference' / 'index.md').read_text()
+    named = set(re.findall(r'`(?:kfac\.)?(\w+)`', index))
+    offered = {
+        name
+        for name in kfac.__all__
+        if not name.startswith('__')
+        and not inspect.ismodule(getattr(kfac, name))
+    }
+    assert offered, 'the scan must find what kfac offers'
+    missing = sorted(offered - named)
+    assert not missing, f'reference/index.md does not name {missing}'
 
 
 def _modules() -> set[str]:
@@ -216,4 +264,57 @@ def test_warning_is_explained(message: str) -> None:
     assert phrase in page, (
         f'docs/guide/troubleshooting.md does not quote the warning '
         f'{message!r} (looked for {phrase!r})'
+    )
+
+
+def _scaled_training(unscale_first: bool, **options: Any) -> torch.Tensor:
+    """Ten steps of a GradScaler loop; the parameters at the end."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 16), nn.ReLU(), nn.Linear(16, 3))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    scaler = torch.amp.GradScaler('cpu', init_scale=2.0**10)
+    preconditioner = KFACPreconditioner(
+        model,
+        optimizer=optimizer,
+        grad_scaler=scaler,
+        factor_update_steps=1,
+        inv_update_steps=1,
+        **options,
+    )
+    data = torch.Generator().manual_seed(1)
+    for _ in range(10):
+        x = torch.randn(32, 6, generator=data)
+        y = torch.randint(0, 3, (32,), generator=data)
+        optimizer.zero_grad()
+        loss = nn.functional.cross_entropy(model(x), y)
+        scaler.scale(loss).backward()
+        if unscale_first:
+            scaler.unscale_(optimizer)
+        preconditioner.step()
+        scaler.step(optimizer)
+        scaler.update()
+    return torch.cat([p.detach().flatten() for p in model.parameters()])
+
+
+@pytest.mark.parametrize(
+    ('options', 'order_matters'),
+    [
+        ({}, False),
+        ({'kl_clip': None}, False),
+        ({'kl_clip': 0.001, 'kl_clip_rule': 'kl'}, True),
+    ],
+    ids=['relative', 'no-clip', 'kl'],
+)
+def test_unscale_order_matters_only_under_the_kl_rule(
+    options: dict[str, Any], order_matters: bool
+) -> None:
+    # guide/mixed-precision.md: under 'relative' (or without a clip)
+    # preconditioning before unscale_ gives the same update; under 'kl'
+    # the clip sees the loss scale.
+    first = _scaled_training(True, **options)
+    after = _scaled_training(False, **options)
+    same = torch.allclose(first, after, rtol=1e-5, atol=1e-7)
+    assert same is not order_matters, (
+        f'{options}: the two orders differ by '
+        f'{float((first - after).norm() / first.norm()):.2e} (relative)'
     )

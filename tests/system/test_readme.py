@@ -1,4 +1,4 @@
-"""The README's usage snippet runs as written."""
+"""The README's usage snippet runs as written, without a warning."""
 
 from __future__ import annotations
 
@@ -7,6 +7,8 @@ import re
 
 import pytest
 import torch
+
+from testing.snippets import strictly
 
 README = pathlib.Path(__file__).resolve().parents[2] / 'README.md'
 
@@ -23,7 +25,8 @@ def test_usage_snippet_runs(
     torch.manual_seed(0)  # the snippet draws its data and weights at random
     blocks = re.findall(r'```python\n(.*?)```', README.read_text(), re.DOTALL)
     assert blocks, 'README has no python block'
-    exec(compile(blocks[0], str(README), 'exec'), {'__name__': 'readme'})
+    with strictly('README.md'):
+        exec(compile(blocks[0], str(README), 'exec'), {'__name__': 'readme'})
     out = capsys.readouterr().out
     match = re.search(r'loss after 20 steps: (\d+\.\d+)', out)
     assert match is not None
