@@ -182,7 +182,6 @@ def _run_case(case: Case, rank: int) -> dict[str, object]:
         inv_update_steps=2,
         damping=0.001,
         kl_clip=0.001,
-        kl_clip_rule='kl',
         factor_rank=comm.factor_rank,
     )
     meter = PhaseBytes(pre.communicator)

@@ -224,7 +224,6 @@ def measure_rank(
             inv_update_steps=4,
             damping=0.001,
             kl_clip=0.001,
-            kl_clip_rule='kl',
             grad_worker_fraction='comm_opt' if local else strategy,
             shard_mode='local' if local else 'lossless',
             loss_average='batch+sequence',

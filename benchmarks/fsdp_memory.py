@@ -128,7 +128,6 @@ def measure_rank(setup: str, out_dir: str) -> None:
             inv_update_steps=STEPS,
             damping=0.001,
             kl_clip=0.001,
-            kl_clip_rule='kl',
             grad_worker_fraction=strategy,
             loss_average='batch+sequence',
         )

@@ -56,9 +56,10 @@ __all__ = [
 #: Learning rate of SGD (momentum 0.9) and of K-FAC's KL clip.
 LR = 0.01
 
-#: The original defaults of `damping`, `kl_clip` and `kl_clip_rule` (0.001,
-#: 0.001, 'kl'), which the timings were measured with; a benchmark's
-#: ``kfac_options`` override them, each configuration sets the intervals.
+#: The original defaults of `damping`, `kl_clip` and `relative_clip` (0.001,
+#: 0.001, None: the KL clip alone), which the timings were measured with;
+#: a benchmark's ``kfac_options`` override them, each configuration sets
+#: the intervals.
 KFAC_DEFAULTS: dict[str, Any] = {
     key: value
     for key, value in ORIGINAL_DEFAULTS.items()

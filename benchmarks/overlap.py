@@ -67,10 +67,7 @@ def _probe(name: str, bucket_cap_mb: float) -> dict[str, Any]:
         assignment=full.assignment,
         hyperparameters=full.hyperparameters,
         communicator=comm,
-        options=EngineOptions(
-            bucketed=bucket_cap_mb > 0,
-            kl_clip_rule=full.options.kl_clip_rule,
-        ),
+        options=EngineOptions(bucketed=bucket_cap_mb > 0),
     )
     loss = bench.loss(model(bench.inputs[0]), bench.target[0])
     loss.backward()

@@ -212,7 +212,7 @@ def build_kfac(
         damping=args.kfac_damping,
         factor_decay=args.kfac_factor_decay,
         kl_clip=args.kfac_kl_clip or None,
-        kl_clip_rule=args.kfac_kl_clip_rule,
+        relative_clip=args.kfac_relative_clip or None,
         optimizer=optimizer,
         loss_average='batch+sequence',
         kfac_approx=args.kfac_approx,

@@ -112,7 +112,6 @@ def build_kfac(
         inv_update_steps=args.inv_update_steps,
         damping=args.damping,
         kl_clip=0.001,
-        kl_clip_rule='kl',
         compute_method=args.compute_method,
         grad_worker_fraction=strategy,
         optimizer=optimizer,

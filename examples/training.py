@@ -171,7 +171,7 @@ def add_kfac_args(
     inv_update_steps: int = 100,
     damping: float = 0.003,
     kl_clip: float = 0.001,
-    kl_clip_rule: str = 'kl',
+    relative_clip: float = 0.0,
 ) -> None:
     """K-FAC's options, with the given defaults."""
     g = parser.add_argument_group('K-FAC')
@@ -188,10 +188,11 @@ def add_kfac_args(
         '--kfac-kl-clip', type=float, default=kl_clip, help='0: no clip'
     )
     g.add_argument(
-        '--kfac-kl-clip-rule',
-        choices=['kl', 'relative'],
-        default=kl_clip_rule,
-        help="'relative': the step keeps scaling with the learning rate",
+        '--kfac-relative-clip',
+        type=float,
+        default=relative_clip,
+        help='cap on the preconditioned to raw gradient norm ratio (the '
+        'step keeps scaling with the learning rate); 0: no cap',
     )
     g.add_argument(
         '--kfac-damping-decay-epochs',
@@ -265,7 +266,7 @@ def build_kfac(
         damping=args.kfac_damping,
         factor_decay=args.kfac_factor_decay,
         kl_clip=args.kfac_kl_clip or None,
-        kl_clip_rule=args.kfac_kl_clip_rule,
+        relative_clip=args.kfac_relative_clip or None,
         optimizer=optimizer,
         grad_worker_fraction=strategy,
         grad_scaler=precision.scaler,

@@ -65,7 +65,7 @@ class BaseKFACPreconditioner:
             rate may be an [`OptimizerLR`][kfac.hyperparams.OptimizerLR]).
         options: how a step runs
             ([`EngineOptions`][kfac.config.EngineOptions]: accumulation,
-            hooks, bucketing, FSDP2 shard mode, clip rule).
+            hooks, bucketing, FSDP2 shard mode).
         grad_scaler: the loss scaler of mixed-precision training, whose
             scale is divided out of output gradients.
         communicator: collectives; default a bucketed
@@ -116,7 +116,6 @@ class BaseKFACPreconditioner:
         check_grad_scaler(grad_scaler)
         self.hyperparameters = hyperparameters or Hyperparameters()
         self.options = options or EngineOptions()
-        self.hyperparameters.check_clip_rule(self.options.kl_clip_rule)
         self._layers = dict(layers)
         self.assignment = assignment
         self.communicator = communicator or TorchDistributedCommunicator()
@@ -224,6 +223,11 @@ class BaseKFACPreconditioner:
     def kl_clip(self) -> float | None:
         """Current KL clip `κ` (None: disabled)."""
         return self.hyperparameter_values().kl_clip
+
+    @property
+    def relative_clip(self) -> float | None:
+        """Current relative clip `ρ` (None: disabled)."""
+        return self.hyperparameter_values().relative_clip
 
     @property
     def lr(self) -> float:
@@ -347,7 +351,6 @@ class BaseKFACPreconditioner:
             self._active(),
             values,
             self._steps,
-            rule=self.options.kl_clip_rule,
             phase=self._phase,
             log_once=self._log_once,
             monitor=self._clips,

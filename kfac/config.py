@@ -43,7 +43,6 @@ from kfac.layers.sampling import SampleKey
 from kfac.layers.sampling import check_position_sample
 from kfac.layers.sampling import check_seed
 from kfac.layers.statistics import check_loss_average
-from kfac.math import KL_CLIP_RULES
 from kfac.math.fisher import FISHER_TYPES
 from kfac.math.lowrank import DAMPING_MODES
 from kfac.placement import parse_grad_worker_fraction
@@ -117,7 +116,6 @@ class KFACConfig:
     module_options: Mapping[str, Mapping[str, Any]] | None = None
     max_factor_dim: int | None = DEFAULT_MAX_FACTOR_DIM
     shard_mode: str = 'lossless'
-    kl_clip_rule: str = 'relative'
     basis_refresh: str = 'eigh'
     compile_arithmetic: bool = False
     fisher_type: str = 'empirical'
@@ -162,9 +160,6 @@ class KFACConfig:
             else validate_int('max_factor_dim', self.max_factor_dim),
             'shard_mode': check_choice(
                 'shard_mode', self.shard_mode, SHARD_MODES
-            ),
-            'kl_clip_rule': check_choice(
-                'kl_clip_rule', self.kl_clip_rule, KL_CLIP_RULES
             ),
             'basis_refresh': check_choice(
                 'basis_refresh', self.basis_refresh, BASIS_REFRESHES
@@ -270,7 +265,6 @@ class KFACConfig:
             update_factors_in_hook=self.update_factors_in_hook,
             bucketed=self.allreduce_bucket_cap_mb > 0,
             shard_mode=self.shard_mode,
-            kl_clip_rule=self.kl_clip_rule,
             compile_arithmetic=self.compile_arithmetic,
             position_sample_seed=self.position_sample_seed,
         )
@@ -376,10 +370,6 @@ class EngineOptions:
             process; `'local'` preconditions each rank's rows alone, with
             the factor on the sharded side made block-diagonal by shard (no
             gradient communication; an approximation).
-        kl_clip_rule: `'kl'` bounds the step's KL divergence (the
-            original rule); `'relative'` bounds the preconditioned
-            gradient's norm relative to the raw one's (see
-            [`kfac.math`][kfac.math]).
         compile_arithmetic: fold each factor's batch into its running
             average with one kernel compiled by `torch.compile` (see
             [`KroneckerFactor.update`][kfac.layers.factor.KroneckerFactor.update]).
@@ -396,7 +386,6 @@ class EngineOptions:
     update_factors_in_hook: bool = True
     bucketed: bool = True
     shard_mode: str = 'lossless'
-    kl_clip_rule: str = 'relative'
     compile_arithmetic: bool = False
     position_sample_seed: int = 0
 
@@ -405,27 +394,20 @@ class EngineOptions:
         check_bool('update_factors_in_hook', self.update_factors_in_hook)
         check_bool('bucketed', self.bucketed)
         check_choice('shard_mode', self.shard_mode, SHARD_MODES)
-        check_choice('kl_clip_rule', self.kl_clip_rule, KL_CLIP_RULES)
         check_bool('compile_arithmetic', self.compile_arithmetic)
         check_seed(self.position_sample_seed)
 
     def saved(self) -> dict[str, str | int]:
-        """The options a `state_dict()` keeps: `kl_clip_rule` and
-        `position_sample_seed`.
-        """
-        return {
-            'kl_clip_rule': self.kl_clip_rule,
-            'position_sample_seed': self.position_sample_seed,
-        }
+        """The options a `state_dict()` keeps: `position_sample_seed`."""
+        return {'position_sample_seed': self.position_sample_seed}
 
     def restored(self, saved: Mapping[str, str | int]) -> EngineOptions:
         """These options with the saved ones of a (parsed) state; a state
-        without them has `kl_clip_rule='kl'` (the only rule before format
-        3) and keeps this `position_sample_seed` (none before format 4).
+        without `position_sample_seed` (none before format 4) keeps this
+        one.
         """
         return dataclasses.replace(
             self,
-            kl_clip_rule=str(saved.get('kl_clip_rule', 'kl')),
             position_sample_seed=int(
                 saved.get('position_sample_seed', self.position_sample_seed)
             ),

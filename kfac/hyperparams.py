@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import warnings
 from collections.abc import Callable
 from collections.abc import Mapping
 from collections.abc import Sequence
@@ -52,7 +51,7 @@ class OriginalDefaults(TypedDict):
     inv_update_steps: int
     damping: float
     kl_clip: float
-    kl_clip_rule: str
+    relative_clip: None
     compute_method: str
 
 
@@ -61,15 +60,15 @@ ORIGINAL_DEFAULTS: Final[OriginalDefaults] = {
     'inv_update_steps': 1,
     'damping': 0.001,
     'kl_clip': 0.001,
-    'kl_clip_rule': 'kl',
+    'relative_clip': None,
     'compute_method': 'eigen',
 }
 """The original KAISA code's defaults that differ from this library's:
-`KFACPreconditioner(model, **ORIGINAL_DEFAULTS)` behaves as the
-constructor with nothing set did in version 0.1.0, before the defaults
-changed. The factors here are per-example averages, so these values do not
-mean what they meant in the original (see the tuning guide's migration
-section). Change a copy, not the mapping itself:
+`KFACPreconditioner(model, **ORIGINAL_DEFAULTS)` behaves as the original's
+constructor with nothing set (its KL clip alone, no relative cap). The
+factors here are per-example averages, so these values do not mean what
+they meant in the original (see the tuning guide's migration section).
+Change a copy, not the mapping itself:
 `ORIGINAL_DEFAULTS | {'damping': 0.01}`."""
 
 OptimizerLike = torch.optim.Optimizer | Sequence[torch.optim.Optimizer]
@@ -92,6 +91,7 @@ class HyperparameterValues:
     factor_decay: float
     kl_clip: float | None
     lr: float
+    relative_clip: float | None
     lrs: Mapping[str, float] | None = None
     """Per layer, the learning rate of the param group holding its weight
     (an [`OptimizerLR`][kfac.hyperparams.OptimizerLR]); None when one `lr`
@@ -106,7 +106,7 @@ def _check(name: str, value: object, *, schedulable: bool) -> object:
     """
     if name in ('factor_update_steps', 'inv_update_steps'):
         return validate_int(name, value, schedulable=schedulable)
-    if name == 'kl_clip' and value is None:
+    if name in ('kl_clip', 'relative_clip') and value is None:
         return None
     low_open, high = name != 'lr', 1.0 if name == 'factor_decay' else math.inf
     return validate_float(
@@ -129,8 +129,11 @@ class Hyperparameters:
         damping: `λ` > 0 (see [`kfac.math`][kfac.math] for its meaning per
             method).
         factor_decay: `ξ` in (0, 1] of the running average.
-        kl_clip: `κ` > 0, or None to disable KL clipping.
-        lr: the optimizer's learning rate (>= 0), used by KL clipping only.
+        kl_clip: `κ` > 0 of the original's KL clip, or None (no KL clip).
+        lr: the optimizer's learning rate (>= 0), used by the KL clip only.
+        relative_clip: `ρ` > 0, the largest ratio of the preconditioned to
+            the raw gradient's norm, or None (no such cap); see
+            [`kfac.math`][kfac.math] for how the two clips combine.
 
     Each may be a callable `step -> value`; its values are validated when
     used.
@@ -148,8 +151,9 @@ class Hyperparameters:
     inv_update_steps: IntParam = 100
     damping: FloatParam = 0.003
     factor_decay: FloatParam = 0.95
-    kl_clip: OptionalFloatParam = 1.0
+    kl_clip: OptionalFloatParam = None
     lr: FloatParam = 0.1
+    relative_clip: OptionalFloatParam = 1.0
 
     def __post_init__(self) -> None:
         for field in dataclasses.fields(self):
@@ -205,25 +209,6 @@ class Hyperparameters:
                 and not callable(getattr(self, key))
             }
         )
-
-    def check_clip_rule(self, rule: str) -> None:
-        """Warn when `kl_clip` looks like a `'kl'` bound under `'relative'`.
-
-        A constant `kl_clip` below 0.1 with `rule='relative'` would cap
-        every step at a tenth of the raw gradient's length or less: almost
-        always a value meant for the original's `'kl'` rule (its default
-        was 0.001) carried over without `kl_clip_rule='kl'`.
-        """
-        clip = self.kl_clip
-        if rule == 'relative' and isinstance(clip, float) and clip < 0.1:
-            warnings.warn(
-                f"kl_clip={clip:g} with kl_clip_rule='relative' caps the "
-                f'preconditioned gradient at {clip:g} times the raw '
-                "gradient's length; for the original's KL-divergence bound "
-                "pass kl_clip_rule='kl' too",
-                UserWarning,
-                stacklevel=4,
-            )
 
     def constants(self) -> dict[str, float | int | None]:
         """The hyperparameters that are not schedules, by name."""

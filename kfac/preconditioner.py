@@ -8,6 +8,7 @@ from collections.abc import Callable
 from collections.abc import Iterable
 from collections.abc import Mapping
 from typing import Any
+from typing import Literal
 
 import torch
 from torch import nn
@@ -68,12 +69,13 @@ class KFACPreconditioner(BaseKFACPreconditioner):
             EKFAC: added to the scaling `S`; INVERSE: split between the
             factors with the π correction); see `damping_mode`.
         factor_decay: `ξ` in (0, 1] of the factors' running average.
-        kl_clip: `κ` of the clip (its meaning per `kl_clip_rule`), or
-            None to disable it.
-        lr: the optimizer's learning rate, used by the `'kl'` clip rule
-            only; None (the default) means 0.1, or the optimizer's with
-            `optimizer`. Pass `optimizer` instead, so that the value
-            follows the optimizer's schedule.
+        kl_clip: `κ` of the original's KL clip (the step's KL divergence
+            at most `κ/2`; once active, the step no longer depends on the
+            learning rate), or None (the default: no KL clip).
+        lr: the optimizer's learning rate, used by the KL clip only; None
+            (the default) means 0.1, or the optimizer's with `optimizer`.
+            Pass `optimizer` instead, so that the value follows the
+            optimizer's schedule.
         accumulation_steps: micro-batches per step (divide each micro-batch
             loss by it).
         allreduce_bucket_cap_mb: bucket size of the factor allreduce in MiB;
@@ -144,12 +146,12 @@ class KFACPreconditioner(BaseKFACPreconditioner):
             learning rate is then read at every step from the param group
             holding each registered weight (see
             [`OptimizerLR`][kfac.hyperparams.OptimizerLR]). Not with `lr`.
-        kl_clip_rule: `'relative'` (the preconditioned gradient is at
-            most `κ` times as long as the raw one, so the step always
-            scales with the learning rate) or `'kl'` (the original rule:
-            the step's KL divergence is at most `κ/2`; once active, the
-            step no longer depends on the learning rate); the formulas are
-            in [`kfac.math`][kfac.math].
+        relative_clip: `ρ`: the preconditioned gradient is at most `ρ`
+            times as long as the raw one, so the step always scales with
+            the learning rate; None: no such cap. `'auto'` (the default)
+            is 1.0 without `kl_clip` and None with it, so that `kl_clip`
+            alone is the original's clip; with both set the smaller
+            scale applies (the formulas are in [`kfac.math`][kfac.math]).
         basis_refresh: how EIGEN and EKFAC refresh their eigenbases:
             `'eigh'` (a full eigendecomposition) or `'qr'` (a few steps of
             orthogonal iteration from the previous basis; see
@@ -178,8 +180,8 @@ class KFACPreconditioner(BaseKFACPreconditioner):
             [`kfac.layers.sampling`][kfac.layers.sampling].
         position_sample_seed: the seed of those draws (saved in the state).
 
-    Every hyperparameter (`factor_update_steps` to `lr`) may also be a
-    callable `step -> value`.
+    Every hyperparameter (`factor_update_steps` to `lr`, `relative_clip`)
+    may also be a callable `step -> value`.
 
     """
 
@@ -191,7 +193,7 @@ class KFACPreconditioner(BaseKFACPreconditioner):
         inv_update_steps: int | Callable[[int], int] = 100,
         damping: float | Callable[[int], float] = 0.003,
         factor_decay: float | Callable[[int], float] = 0.95,
-        kl_clip: float | Callable[[int], float | None] | None = 1.0,
+        kl_clip: float | Callable[[int], float | None] | None = None,
         lr: float | Callable[[int], float] | None = None,
         accumulation_steps: int = 1,
         allreduce_bucket_cap_mb: float = 25.0,
@@ -214,7 +216,10 @@ class KFACPreconditioner(BaseKFACPreconditioner):
         max_factor_dim: int | None = DEFAULT_MAX_FACTOR_DIM,
         shard_mode: str = 'lossless',
         optimizer: OptimizerLike | None = None,
-        kl_clip_rule: str = 'relative',
+        relative_clip: float
+        | Callable[[int], float | None]
+        | Literal['auto']
+        | None = 'auto',
         basis_refresh: str = 'eigh',
         compile_arithmetic: bool = False,
         fisher_type: str = 'empirical',
@@ -233,6 +238,7 @@ class KFACPreconditioner(BaseKFACPreconditioner):
             factor_decay=factor_decay,
             kl_clip=kl_clip,
             lr=0.1 if lr is None else lr,
+            relative_clip=_relative_clip(relative_clip, kl_clip),
         )
         optimizers = None if optimizer is None else check_optimizers(optimizer)
         if optimizers is not None and lr is not None:
@@ -260,7 +266,6 @@ class KFACPreconditioner(BaseKFACPreconditioner):
             module_options=module_options,
             max_factor_dim=max_factor_dim,
             shard_mode=shard_mode,
-            kl_clip_rule=kl_clip_rule,
             basis_refresh=basis_refresh,
             compile_arithmetic=compile_arithmetic,
             fisher_type=fisher_type,
@@ -403,3 +408,14 @@ class KFACPreconditioner(BaseKFACPreconditioner):
                     'preconditioner to precondition it',
                     name,
                 )
+
+
+def _relative_clip(
+    relative_clip: object, kl_clip: object
+) -> float | Callable[[int], float | None] | None:
+    """`relative_clip` with `'auto'` resolved: 1.0 without a KL clip, None
+    (the original's clip alone) with one.
+    """
+    if relative_clip == 'auto':
+        return 1.0 if kl_clip is None else None
+    return relative_clip  # type: ignore[return-value]  # checked by Hyperparameters

@@ -9,11 +9,10 @@ dicts, so `torch.load(path, weights_only=True)` reads it:
 
 ```python
 {
-    'version': 4,
+    'version': 5,
     'steps': int,
     'hyperparameters': {name: value},   # the non-callable ones
-    'options': {'kl_clip_rule': 'kl' or 'relative',
-                'position_sample_seed': int},
+    'options': {'position_sample_seed': int},
     'layers': {module name: {'A': tensor, 'G': tensor}},  # (n, n) or (n,)
     # a tied layer: {'<use>:A': ..., '<use>:G': ...} per use instead
     # an EKFAC layer: also 'S', its scaling, shaped like the gradient
@@ -51,13 +50,12 @@ from typing import TypedDict
 
 import torch
 
-from kfac.math import KL_CLIP_RULES
 from kfac.math.fisher import FisherState
 
-STATE_VERSION = 4
+STATE_VERSION = 5
 """The format version written by this version of kfac."""
 
-READABLE_VERSIONS = (1, 2, 3, 4)
+READABLE_VERSIONS = (1, 2, 3, 4, 5)
 """The format versions this version of kfac loads. Version 2 adds the
 per-use factors of a weight tied in transposed roles (`'<module>:A'`,
 `'<module>:G'`, see [`kfac.layers.tied`][kfac.layers.tied]); version 3
@@ -69,7 +67,10 @@ version 3, and an EKFAC layer without `'S'` starts its scaling afresh at
 its next factor update. Version 4 adds `'fisher'` (the Monte Carlo
 Fisher's seed) and `'position_sample_seed'` to `'options'` (see
 [`kfac.layers.sampling`][kfac.layers.sampling]); a state without either
-keeps the loading preconditioner's seed."""
+keeps the loading preconditioner's seed. Version 5 saves the two clips as
+hyperparameters (`kl_clip`, `relative_clip`) instead of one `kl_clip` read
+by `'options'`' `kl_clip_rule`; an older state is read as version 5 (its
+`kl_clip` under `'relative'` is `relative_clip`)."""
 
 FACTOR_KEYS = ('A', 'G')
 """The factor entries of a layer."""
@@ -139,8 +140,9 @@ class SavedState:
     layers: Mapping[str, SavedLayer]
     """Per layer, by module name."""
     options: Mapping[str, str | int] = dataclasses.field(default_factory=dict)
-    """The engine's saved options (`kl_clip_rule`, `position_sample_seed`
-    from version 4); empty before version 3."""
+    """The engine's saved options (`position_sample_seed` from version 4;
+    version 3 and 4 had `kl_clip_rule` too, read into the
+    hyperparameters); empty before version 3."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -333,12 +335,36 @@ def parse_state(
     }
     hyperparameters = checked['hyperparameters']
     assert isinstance(hyperparameters, Mapping)  # _check_header checked it
+    options = _options(checked.get('options', {}))
     return SavedState(
         steps=int(checked['steps']),  # type: ignore[call-overload]  # an int: _check_header checked it
-        hyperparameters=dict(hyperparameters),
+        hyperparameters=_clips(
+            dict(hyperparameters), options, version=checked['version']
+        ),
         layers=layers,
-        options=_options(checked.get('options', {})),
+        options=options,
     )
+
+
+def _clips(
+    hyperparameters: dict[str, float | int | None],
+    options: dict[str, str | int],
+    *,
+    version: object,
+) -> dict[str, float | int | None]:
+    """The hyperparameters of a state before version 5 in the format of
+    version 5: the `kl_clip` of a `kl_clip_rule='relative'` state becomes
+    `relative_clip` (and `kl_clip` None), that of a `'kl'` state (every
+    state before version 3) stays with `relative_clip` None. The rule is
+    taken out of `options`.
+    """
+    rule = options.pop('kl_clip_rule', None)
+    if version == STATE_VERSION:
+        return hyperparameters
+    kappa = hyperparameters.get('kl_clip')
+    if rule == 'relative':
+        return {**hyperparameters, 'kl_clip': None, 'relative_clip': kappa}
+    return {**hyperparameters, 'relative_clip': None}
 
 
 SEED_LIMIT = 2**31 - 1
@@ -357,10 +383,10 @@ def _options(options: object) -> dict[str, str | int]:
             f'got {options!r}',
         )
     rule = options.get('kl_clip_rule', 'kl')
-    if rule not in KL_CLIP_RULES:
+    if rule not in ('kl', 'relative'):
         raise ValueError(
             "state_dict entry 'options' has kl_clip_rule "
-            f'{rule!r}; allowed: {", ".join(KL_CLIP_RULES)}',
+            f'{rule!r}; allowed: kl, relative',
         )
     seed = options.get('position_sample_seed', 0)
     if (

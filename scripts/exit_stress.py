@@ -106,7 +106,6 @@ def train(model_kind: str, steps: int) -> None:
             inv_update_steps=2,
             damping=0.001,
             kl_clip=0.001,
-            kl_clip_rule='kl',
         )
     generator = torch.Generator().manual_seed(dist.get_rank())
     for _ in range(steps):

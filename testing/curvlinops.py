@@ -121,7 +121,7 @@ def kfac_factors(
         `{module name: (A, G)}`.
 
     """
-    precon = KFACPreconditioner(model, kl_clip=None, **options)
+    precon = KFACPreconditioner(model, relative_clip=None, **options)
     loss(model(x), y).backward()
     precon.step()
     precon.remove()

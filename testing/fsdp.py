@@ -98,7 +98,7 @@ def build(
         inv_update_steps=2,
         damping=0.01,
         kl_clip=0.01,
-        **{'factor_update_steps': 1, 'kl_clip_rule': 'kl', **config},
+        **{'factor_update_steps': 1, **config},
     )
     return precon, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
 

@@ -186,7 +186,12 @@ def check_twins(case: Case, part: Part = ONE_PROCESS) -> int:
     """
     shared, twin = make_twins(case.kind, case.sharers)
     models = [wrap(shared), wrap(twin)]
-    options = {'kl_clip': None, 'damping': 0.01, **EVERY_STEP, **case.options}
+    options = {
+        'relative_clip': None,
+        'damping': 0.01,
+        **EVERY_STEP,
+        **case.options,
+    }
     precons = [KFACPreconditioner(m, **options) for m in models]
     others = [f'users.{i}' for i in range(1, case.sharers)]
     entries = precons[0].describe()['preconditioned']

@@ -1,7 +1,6 @@
 from __future__ import annotations
 
 import dataclasses
-import warnings
 from typing import Any
 
 import pytest
@@ -23,7 +22,8 @@ def test_defaults_are_the_studys_choice() -> None:
         100,
     )
     assert (resolved.damping, resolved.factor_decay) == (0.003, 0.95)
-    assert (resolved.kl_clip, resolved.lr) == (1.0, 0.1)
+    assert (resolved.kl_clip, resolved.lr) == (None, 0.1)
+    assert resolved.relative_clip == 1.0
 
 
 def test_original_defaults_give_the_original_kaisa_defaults() -> None:
@@ -32,7 +32,7 @@ def test_original_defaults_give_the_original_kaisa_defaults() -> None:
         'inv_update_steps': 1,
         'damping': 0.001,
         'kl_clip': 0.001,
-        'kl_clip_rule': 'kl',
+        'relative_clip': None,
         'compute_method': 'eigen',
     }
     hp = Hyperparameters(
@@ -46,38 +46,14 @@ def test_original_defaults_give_the_original_kaisa_defaults() -> None:
     assert (resolved.damping, resolved.kl_clip) == (0.001, 0.001)
 
 
-@pytest.mark.parametrize(
-    ('kl_clip', 'rule', 'warns'),
-    [
-        (0.001, 'relative', True),
-        (0.0999, 'relative', True),
-        (0.1, 'relative', False),
-        (1.0, 'relative', False),
-        (None, 'relative', False),
-        (0.001, 'kl', False),
-    ],
-)
-def test_a_tiny_relative_clip_warns(
-    kl_clip: float | None, rule: str, warns: bool
-) -> None:
-    hp = Hyperparameters(kl_clip=kl_clip)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter('always')
-        hp.check_clip_rule(rule)
-    messages = [str(w.message) for w in caught]
-    if warns:
-        assert len(messages) == 1
-        assert (
-            f"kl_clip={kl_clip:g} with kl_clip_rule='relative'"
-            in (messages[0])
-        )
-        assert caught[0].category is UserWarning
-    else:
-        assert messages == []
-    # a schedule is not judged at construction
-    with warnings.catch_warnings():
-        warnings.simplefilter('error')
-        Hyperparameters(kl_clip=lambda s: 0.001).check_clip_rule(rule)
+def test_both_clips_take_none_and_schedules() -> None:
+    hp = Hyperparameters(kl_clip=0.01, relative_clip=None)
+    assert (hp.at(0).kl_clip, hp.at(0).relative_clip) == (0.01, None)
+    scheduled = Hyperparameters(relative_clip=lambda s: None if s else 2.0)
+    assert scheduled.at(0).relative_clip == 2.0
+    assert scheduled.at(1).relative_clip is None
+    with pytest.raises(ValueError, match='relative_clip must be'):
+        Hyperparameters(relative_clip=0.0)
 
 
 def test_constants_excludes_schedules() -> None:
@@ -131,8 +107,9 @@ def test_at_returns_hyperparameter_values() -> None:
         'inv_update_steps': 100,
         'damping': 0.003,
         'factor_decay': 0.95,
-        'kl_clip': 1.0,
+        'kl_clip': None,
         'lr': values.lr,
+        'relative_clip': 1.0,
         'lrs': None,  # one lr for every layer: no OptimizerLR
     }
 

@@ -123,7 +123,7 @@ def test_callable_hyperparameters_are_called_with_the_step() -> None:
         calls.append(step)
         return 0.01 * (step + 1)
 
-    precon = KFACPreconditioner(model, damping=damping, kl_clip=None)
+    precon = KFACPreconditioner(model, damping=damping, relative_clip=None)
     for step in range(3):
         model.zero_grad()
         backward(model, seed=step)
@@ -142,11 +142,11 @@ def test_callable_hyperparameter_with_invalid_value_raises() -> None:
         precon.step()
 
 
-def test_kl_clip_none_leaves_preconditioned_grad_unscaled() -> None:
+def test_no_clip_leaves_preconditioned_grad_unscaled() -> None:
     model = TinyMLP().double()
     twin = copy.deepcopy(model)
-    a = KFACPreconditioner(model, kl_clip=None)
-    b = KFACPreconditioner(twin, kl_clip=1e12)  # never clips
+    a = KFACPreconditioner(model, relative_clip=None)
+    b = KFACPreconditioner(twin, relative_clip=1e12)  # never clips
     backward(model)
     backward(twin)
     a.step()

@@ -53,7 +53,9 @@ def test_state_dict_round_trip() -> None:
 
 
 def test_invalid_lambdas() -> None:
-    precon = KFACPreconditioner(TinyMLP(), damping=lambda s: 0.1, kl_clip=None)
+    precon = KFACPreconditioner(
+        TinyMLP(), damping=lambda s: 0.1, relative_clip=None
+    )
     with pytest.raises(
         ValueError, match='damping_lambda needs damping to be a constant'
     ):

@@ -399,18 +399,46 @@ def test_parse_drops_decompositions_that_do_not_fit(
     assert torch.equal(saved.layers['fc'].factors['A'], torch.eye(2))
 
 
-def test_the_clip_rule_is_saved_and_restored() -> None:
-    _, original = trained(kl_clip_rule='kl', kl_clip=0.001)
+def test_the_clips_are_saved_and_restored() -> None:
+    _, original = trained(kl_clip=0.001)
     state = roundtrip(original.state_dict())
-    assert state['version'] == STATE_VERSION == 4
-    assert state['options'] == {
-        'kl_clip_rule': 'kl',
-        'position_sample_seed': 0,
-    }
+    assert state['version'] == STATE_VERSION == 5
+    assert state['options'] == {'position_sample_seed': 0}
+    assert state['hyperparameters']['kl_clip'] == 0.001
+    assert state['hyperparameters']['relative_clip'] is None
     _, other = trained()
-    assert other.options.kl_clip_rule == 'relative'  # the default
+    assert (other.kl_clip, other.relative_clip) == (None, 1.0)  # defaults
     other.load_state_dict(state)
-    assert other.options.kl_clip_rule == 'kl'
+    assert (other.kl_clip, other.relative_clip) == (0.001, None)
+
+
+@pytest.mark.parametrize(
+    ('rule', 'clips'), [('kl', (0.5, None)), ('relative', (None, 0.5))]
+)
+def test_a_version_4_state_reads_its_rule_into_the_clips(
+    rule: str, clips: tuple[float | None, float | None]
+) -> None:
+    """Before version 5 one `kl_clip` was read by `options.kl_clip_rule`:
+    under `'relative'` it is the relative clip.
+    """
+    _, original = trained(kl_clip=0.5)
+    state = roundtrip(original.state_dict())
+    del state['hyperparameters']['relative_clip']
+    state['options']['kl_clip_rule'] = rule
+    state['version'] = 4
+    _, other = trained(relative_clip=2.0)
+    other.load_state_dict(state)
+    assert (other.kl_clip, other.relative_clip) == clips
+    assert 'kl_clip_rule' not in other.state_dict()['options']
+
+
+def test_a_scheduled_clip_is_not_saved_and_stays() -> None:
+    _, scheduled = trained(relative_clip=lambda s: 0.25)
+    state = scheduled.state_dict()
+    assert 'relative_clip' not in state['hyperparameters']
+    _, other = trained()
+    other.load_state_dict(state)
+    assert other.relative_clip == 1.0  # not overwritten by a guess
 
 
 def test_resume_with_sampled_positions_restores_the_seed() -> None:
@@ -461,13 +489,15 @@ def test_a_version_3_state_keeps_the_loading_seed() -> None:
 
 
 def test_a_version_2_state_loads_with_the_kl_rule() -> None:
-    _, precon = trained()
-    state = dict(precon.state_dict())
+    """Before version 3 there was one rule, the KL clip."""
+    _, precon = trained(kl_clip=0.5)
+    state: dict[str, Any] = dict(precon.state_dict())
     del state['options']
+    del state['hyperparameters']['relative_clip']
     state['version'] = 2
-    _, relative = trained(kl_clip_rule='relative')
+    _, relative = trained()
     relative.load_state_dict(state)
-    assert relative.options.kl_clip_rule == 'kl'
+    assert (relative.kl_clip, relative.relative_clip) == (0.5, None)
 
 
 @pytest.mark.parametrize(

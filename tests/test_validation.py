@@ -79,6 +79,12 @@ INVALID: list[tuple[dict[str, Any], type[Exception], str]] = [
     ({'factor_decay': 1.01}, ValueError, 'factor_decay'),
     ({'kl_clip': 0.0}, ValueError, 'kl_clip must be a finite number > 0'),
     ({'kl_clip': 'none'}, TypeError, 'kl_clip'),
+    (
+        {'relative_clip': 0.0},
+        ValueError,
+        'relative_clip must be a finite number > 0',
+    ),
+    ({'relative_clip': 'auto!'}, TypeError, 'relative_clip'),
     ({'lr': -0.1}, ValueError, 'lr must be a finite number >= 0'),
     ({'accumulation_steps': 0}, ValueError, 'accumulation_steps must be >= 1'),
     (
@@ -415,12 +421,6 @@ BOUNDARIES: list[tuple[str, Callable[[], object], type[Exception], str]] = [
         lambda: EngineOptions(bucketed=_any(1)),
         TypeError,
         'bucketed must be a bool',
-    ),
-    (
-        'EngineOptions kl_clip_rule',
-        lambda: EngineOptions(kl_clip_rule='kll'),
-        ValueError,
-        "kl_clip_rule must be one of ('kl', 'relative'); got 'kll'",
     ),
     (
         'EngineOptions shard_mode',

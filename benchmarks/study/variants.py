@@ -18,8 +18,7 @@ BASE_KFAC: dict[str, Any] = {
     'factor_update_steps': 10,
     'inv_update_steps': 100,
     'damping': 0.003,
-    'kl_clip': 1.0,
-    'kl_clip_rule': 'relative',
+    'relative_clip': 1.0,
 }
 """K-FAC's starting point: EIGEN, updates every 10/100 steps, the relative
 clip."""
@@ -31,9 +30,9 @@ VARIANTS: dict[str, dict[str, Any]] = {
     'damping0.0003': {'damping': 0.0003},
     'updates5/50': {'factor_update_steps': 5, 'inv_update_steps': 50},
     'updates20/200': {'factor_update_steps': 20, 'inv_update_steps': 200},
-    'kl0.001': {'kl_clip': 0.001, 'kl_clip_rule': 'kl'},
-    'noclip': {'kl_clip': None},
-    'clip10': {'kl_clip': 10.0},
+    'kl0.001': {'kl_clip': 0.001, 'relative_clip': None},
+    'noclip': {'relative_clip': None},
+    'clip10': {'relative_clip': 10.0},
     'mc': {'fisher_type': 'mc'},
     # (the GPT's tied embedding and head keep whole factors: the low-rank
     # form does not apply to a tied weight)

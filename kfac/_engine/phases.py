@@ -220,17 +220,20 @@ class Clip(NamedTuple):
     (1.0 without a clip)."""
     ratio: float
     """`‖ν V'‖ / ‖V‖` over all preconditioned layers."""
+    kl_scale: float | None = None
+    """`ν_KL`, the KL clip's own bound (None without `kl_clip`)."""
 
 
 class ClipMonitor:
     """The last step's [`Clip`][kfac._engine.phases.Clip], and a warning
-    when K-FAC holds training back, each logged once: under the `'kl'`
-    rule `ν` below 0.1 on each of 100 consecutive steps (the learning rate
-    then hardly changes the step); under either rule the norm ratio below
-    0.01 on each of 100 consecutive steps.
+    when K-FAC holds training back, each logged once: the KL clip's `ν_KL`
+    below 0.1 on each of 100 consecutive steps (the learning rate then
+    hardly changes the step); the norm ratio below 0.01 on each of 100
+    consecutive steps.
 
-    Under `'relative'` a small `ν` only means that the step is held at `κ`
-    times the raw gradient's length, which the learning rate still scales.
+    A small `ν` from `relative_clip` alone only means that the step is held
+    at `ρ` times the raw gradient's length, which the learning rate still
+    scales.
 
     Args:
         faults: where warnings go.
@@ -253,10 +256,11 @@ class ClipMonitor:
             'grad_norm_ratio': None if last is None else last.ratio,
         }
 
-    def record(self, clip: Clip, rule: str) -> None:
+    def record(self, clip: Clip) -> None:
         """Keep `clip`; warn once when a run of low values is long."""
         self.last = clip
-        low_scale = rule == 'kl' and clip.scale < self.LOW_SCALE
+        kl = clip.kl_scale
+        low_scale = kl is not None and kl < self.LOW_SCALE
         low_ratio = clip.ratio < self.LOW_RATIO
         self._low_scale = self._low_scale + 1 if low_scale else 0
         self._low_ratio = self._low_ratio + 1 if low_ratio else 0
@@ -264,13 +268,13 @@ class ClipMonitor:
             self.faults.once(
                 'clip-scale',
                 '',
-                'K-FAC: the clip scaled the preconditioned gradients by '
+                'K-FAC: the KL clip scaled the preconditioned gradients by '
                 'less than %g on each of the last %d steps (kl_clip_scale '
                 '%.3g), so the learning rate hardly changes the step; raise '
-                "kl_clip, or use kl_clip_rule='relative'",
+                'kl_clip, or clip with relative_clip instead (kl_clip=None)',
                 self.LOW_SCALE,
                 self.WINDOW,
-                clip.scale,
+                kl,
             )
         if self._low_ratio >= self.WINDOW:
             self.faults.once(
@@ -292,13 +296,12 @@ def precondition(
     values: HyperparameterValues,
     step: int,
     *,
-    rule: str,
     phase: Phase,
     log_once: Callable[..., None],
     monitor: ClipMonitor,
 ) -> None:
     """The preconditioning phase of a step: precondition the `active`
-    layers on their gradient workers, clip (`rule`), write `.grad`,
+    layers on their gradient workers, clip, write `.grad`,
     holding and moving gradients as `distributor` says; `monitor` records the
     clip.
 
@@ -314,9 +317,9 @@ def precondition(
                     _precondition(name, layers[name], values, grads, log_once)
     with phase('kl_clip'):
         names, stats = distributor.statistics()
-        flags, scale, clip = _clip(names, stats, values, rule)
+        flags, scale, clip = _clip(names, stats, values)
     if clip is not None:
-        monitor.record(clip, rule)
+        monitor.record(clip)
     ok = dict(zip(names, flags))
     for part, grads in distributor.write_back():
         with phase('write_back'):
@@ -359,31 +362,36 @@ def _clip(
     names: list[str],
     stats: torch.Tensor | None,
     values: HyperparameterValues,
-    rule: str,
 ) -> tuple[list[bool], torch.Tensor | None, Clip | None]:
     """Per layer, whether its statistics are finite; the clip's scale
-    `ν` (None without a clip; see [`kfac.math`][kfac.math] for the
-    rules); the step's [`Clip`][kfac._engine.phases.Clip]. One host read.
+    `ν = min(ν_KL, ν_rel)` (None without a clip; see
+    [`kfac.math`][kfac.math]); the step's
+    [`Clip`][kfac._engine.phases.Clip]. One host read.
     """
     if stats is None:
         return [], None, None
     finite = torch.isfinite(stats).all(dim=1)
     kept = torch.where(finite[:, None], stats, torch.zeros_like(stats))
     vg, pre_sq, raw_sq = (column.contiguous() for column in kept.unbind(1))
-    scale = None
+    scale = kl = None
+    if values.relative_clip is not None:
+        scale = relative_clip_scale(
+            raw_sq.sum(), pre_sq.sum(), values.relative_clip
+        )
     if values.kl_clip is not None:
-        if rule == 'relative':
-            scale = relative_clip_scale(
-                raw_sq.sum(), pre_sq.sum(), values.kl_clip
-            )
-        elif values.lrs is None:
-            scale = kl_clip_scale(vg.sum(), values.lr, values.kl_clip)
+        if values.lrs is None:
+            kl = kl_clip_scale(vg.sum(), values.lr, values.kl_clip)
         else:
             lrs = torch.tensor(
                 [values.lrs[n] for n in names], dtype=vg.dtype
             ).to(vg.device)
-            scale = kl_clip_scale((vg * lrs * lrs).sum(), 1.0, values.kl_clip)
+            kl = kl_clip_scale((vg * lrs * lrs).sum(), 1.0, values.kl_clip)
+        scale = kl if scale is None else torch.minimum(scale, kl)
     nu = torch.ones_like(vg[0]) if scale is None else scale
     ratio = nu * torch.sqrt(pre_sq.sum() / raw_sq.sum())
-    read = torch.cat([finite.to(vg.dtype), nu[None], ratio[None]]).tolist()
-    return [bool(f) for f in read[:-2]], scale, Clip(read[-2], read[-1])
+    tail = [nu[None], ratio[None]] + ([] if kl is None else [kl[None]])
+    read = torch.cat([finite.to(vg.dtype), *tail]).tolist()
+    count = len(names)
+    flags = [bool(f) for f in read[:count]]
+    kl_scale = None if kl is None else read[count + 2]
+    return flags, scale, Clip(read[count], read[count + 1], kl_scale)

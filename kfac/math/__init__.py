@@ -99,27 +99,29 @@ preconditioned with one Kronecker product combining both uses (see
 
 ## Clipping the step
 
-A clip scales every preconditioned gradient `V'` by one factor `ν ≤ 1`
-(`kl_clip_rule`):
+A clip scales every preconditioned gradient `V'` by one factor `ν ≤ 1`,
+the smaller of two bounds (each 1 when it is off):
 
-* `'kl'` (the original KAISA rule): `ν = min(1, sqrt(κ / |Σ_l lr_l² V'_l ⊙
-  V_l|))`, bounding the step's KL divergence `½ Σ_l lr_l² V'_lᵀ F V'_l ≈
+* `kl_clip` (the original KAISA clip): `ν_KL = min(1, sqrt(κ / |Σ_l lr_l²
+  V'_l ⊙ V_l|))`, bounding the step's KL divergence `½ Σ_l lr_l² V'_lᵀ F V'_l ≈
   ½ Σ_l lr_l² V'_l ⊙ V_l` by `κ / 2` (`lr_l`: the learning rate of layer
   `l`'s param group, or the one `lr`). Once it is active the step
   `lr ν V'` no longer depends on `lr`.
-* `'relative'`: `ν = min(1, κ sqrt(Σ_l ‖V_l‖² / Σ_l ‖V'_l‖²))`, the
-  preconditioned gradient at most `κ` times as long as the raw one (norms
-  over all preconditioned layers). `ν` does not involve `lr`, so the step
-  `lr ν V'` is proportional to the learning rate whether the clip is
-  active or not, and an optimizer tuned for raw gradients never takes a
-  step more than `κ` times longer than it would have.
+* `relative_clip` (the default, at 1): `ν_rel = min(1, ρ sqrt(Σ_l ‖V_l‖²
+  / Σ_l ‖V'_l‖²))`, the preconditioned gradient at most `ρ` times as long
+  as the raw one (norms over all preconditioned layers). `ν_rel` does not
+  involve `lr`, so the step `lr ν V'` is proportional to the learning rate
+  whether the clip is active or not, and an optimizer tuned for raw
+  gradients never takes a step more than `ρ` times longer than it would
+  have.
+
+`ν = min(ν_KL, ν_rel)`: with both set, both bounds hold.
 """
 
 from __future__ import annotations
 
 import torch
 
-from kfac.math.clip import KL_CLIP_RULES
 from kfac.math.clip import kl_clip_scale
 from kfac.math.clip import relative_clip_scale
 from kfac.math.ekfac import damped_reciprocal
@@ -130,7 +132,6 @@ from kfac.math.ekfac import subspace_iteration
 from kfac.math.tied import kronecker_sum_factors
 
 __all__ = [
-    'KL_CLIP_RULES',
     'append_bias_ones',
     'compute_dtype',
     'damped_inverse',

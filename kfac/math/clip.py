@@ -1,17 +1,14 @@
 """The clip of the step: the scale `ν` of every preconditioned gradient.
 
-The rules (`kl_clip_rule`) are described in [`kfac.math`][kfac.math]
-under "Clipping the step".
+The two bounds (`kl_clip`, `relative_clip`) are described in
+[`kfac.math`][kfac.math] under "Clipping the step".
 """
 
 from __future__ import annotations
 
 import torch
 
-__all__ = ['KL_CLIP_RULES', 'kl_clip_scale', 'relative_clip_scale']
-
-KL_CLIP_RULES = ('kl', 'relative')
-"""The rules of the clip (`kl_clip_rule`)."""
+__all__ = ['kl_clip_scale', 'relative_clip_scale']
 
 
 def kl_clip_scale(

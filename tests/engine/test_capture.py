@@ -425,7 +425,9 @@ def test_second_step_without_backward_changes_nothing(
     """Defect 3: a second step() preconditioned the gradient again."""
     model = TinyMLP().double()
     net = _maybe_compile(model, compiled)
-    precon = KFACPreconditioner(net, kl_clip=None, factor_update_steps=10)
+    precon = KFACPreconditioner(
+        net, relative_clip=None, factor_update_steps=10
+    )
     x, y = classification_data(8, (6,))
     F.cross_entropy(net(x), y).backward()
     precon.step()

@@ -1,12 +1,14 @@
-"""The learning rate and the clip of the step (`optimizer=`,
-`kl_clip_rule`), the clip's metrics and the warning when K-FAC holds
+"""The learning rate and the clips of the step (`optimizer=`, `kl_clip`,
+`relative_clip`), the clip's metrics and the warning when K-FAC holds
 training back.
 
 Oracles: the parameter change of one plain-SGD step is proportional to the
-optimizer's learning rate under `'relative'` (clip active and inactive);
-under `'kl'` the written gradient is bitwise `ν V'` with `ν` from the
-original formula; `kl_clip_scale` and `grad_norm_ratio` equal their
-definitions computed from the unclipped preconditioned gradients.
+optimizer's learning rate under `relative_clip` (clip active and
+inactive); with `kl_clip` alone (the original's spelling) the written
+gradient is bitwise `ν V'` with `ν` from the original formula, and with
+both the smaller scale applies; `kl_clip_scale` and `grad_norm_ratio`
+equal their definitions computed from the unclipped preconditioned
+gradients.
 """
 
 from __future__ import annotations
@@ -65,25 +67,21 @@ def _change(lr: float, **options: Any) -> list[torch.Tensor]:
     return [p.detach() - b for p, b in zip(model.parameters(), before)]
 
 
-@pytest.mark.parametrize('kl_clip', [0.3, 100.0, None])
-def test_relative_rule_step_is_proportional_to_the_lr(
-    kl_clip: float | None,
+@pytest.mark.parametrize('relative_clip', [0.3, 100.0, None])
+def test_relative_clip_step_is_proportional_to_the_lr(
+    relative_clip: float | None,
 ) -> None:
-    full = _change(0.2, kl_clip=kl_clip, kl_clip_rule='relative')
-    half = _change(0.1, kl_clip=kl_clip, kl_clip_rule='relative')
+    full = _change(0.2, relative_clip=relative_clip)
+    half = _change(0.1, relative_clip=relative_clip)
     for a, b in zip(full, half):
         torch.testing.assert_close(a, 2 * b, rtol=1e-12, atol=0.0)
 
 
-def test_relative_rule_clips_at_the_given_length_ratio() -> None:
+def test_relative_clip_clips_at_the_given_length_ratio() -> None:
     model = _model()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     precon = KFACPreconditioner(
-        model,
-        damping=0.01,
-        optimizer=optimizer,
-        kl_clip=0.3,
-        kl_clip_rule='relative',
+        model, damping=0.01, optimizer=optimizer, relative_clip=0.3
     )
     _step(model, precon, optimizer)
     metrics = precon.metrics()
@@ -91,26 +89,24 @@ def test_relative_rule_clips_at_the_given_length_ratio() -> None:
     assert metrics['grad_norm_ratio'] == pytest.approx(0.3, rel=1e-12)
 
 
-def test_kl_rule_ignores_the_lr_once_active() -> None:
-    """The original rule: an active clip makes the step independent of the
-    learning rate (what the relative rule fixes).
+def test_kl_clip_ignores_the_lr_once_active() -> None:
+    """The original clip: once active it makes the step independent of the
+    learning rate (what the relative clip fixes).
     """
-    full = _change(0.2, kl_clip=1e-6, kl_clip_rule='kl')
-    half = _change(0.1, kl_clip=1e-6, kl_clip_rule='kl')
+    full = _change(0.2, kl_clip=1e-6)
+    half = _change(0.1, kl_clip=1e-6)
     for a, b in zip(full, half):
         torch.testing.assert_close(a, b, rtol=1e-12, atol=0.0)
 
 
 def _preconditioned(
-    kl_clip: float | None, **options: Any
+    **options: Any,
 ) -> tuple[KFACPreconditioner, dict[str, torch.Tensor], dict[str, Any]]:
     """One step without an optimizer step: the written gradients and the
     preconditioner's raw and preconditioned matrices.
     """
     model = _model()
-    precon = KFACPreconditioner(
-        model, damping=0.01, kl_clip=kl_clip, **options
-    )
+    precon = KFACPreconditioner(model, damping=0.01, **options)
     x, y = _data()
     F.cross_entropy(model(x), y).backward()
     raw = {n: p.grad.detach().clone() for n, p in model.named_parameters()}  # type: ignore[union-attr]  # every parameter has a gradient
@@ -122,15 +118,26 @@ def _preconditioned(
     return precon, written, raw
 
 
-def test_kl_rule_is_the_original_formula_bitwise() -> None:
-    _, unclipped, raw = _preconditioned(None)
-    _, clipped, _ = _preconditioned(0.001, lr=0.1, kl_clip_rule='kl')
+def _kl_scale(
+    unclipped: dict[str, torch.Tensor], raw: dict[str, torch.Tensor]
+) -> torch.Tensor:
+    """`ν_KL` at lr 0.1 and `κ` 0.001 from the unclipped gradients."""
     vg = torch.stack(
         [torch.vdot(unclipped[n].reshape(-1), raw[n].reshape(-1)) for n in raw]
     )
     # Σ V' ⊙ V per layer as the engine sums it: weight and bias together.
     per_layer = vg.reshape(-1, 2).sum(dim=1)
-    nu = kl_clip_scale(per_layer.sum(), 0.1, 0.001)
+    return kl_clip_scale(per_layer.sum(), 0.1, 0.001)
+
+
+def test_kl_clip_alone_is_the_original_formula_bitwise() -> None:
+    """`kl_clip=0.001` and nothing else (a script written for the original)
+    clips as the original did: `ν_KL` alone, no relative cap.
+    """
+    _, unclipped, raw = _preconditioned(relative_clip=None)
+    precon, clipped, _ = _preconditioned(kl_clip=0.001, lr=0.1)
+    assert precon.relative_clip is None and precon.kl_clip == 0.001
+    nu = _kl_scale(unclipped, raw)
     assert float(nu) < 1.0
     for name in raw:
         torch.testing.assert_close(
@@ -138,15 +145,47 @@ def test_kl_rule_is_the_original_formula_bitwise() -> None:
         )
 
 
+@pytest.mark.parametrize('relative_clip', [1.0, 1e-4])
+def test_both_clips_apply_the_smaller_scale(relative_clip: float) -> None:
+    _, unclipped, raw = _preconditioned(relative_clip=None)
+    _, clipped, _ = _preconditioned(
+        kl_clip=0.001, lr=0.1, relative_clip=relative_clip
+    )
+    pre = torch.stack([g.square().sum() for g in unclipped.values()])
+    norm = torch.stack([g.square().sum() for g in raw.values()])
+    pre, norm = pre.sum().sqrt(), norm.sum().sqrt()
+    nu_rel = torch.clamp(relative_clip * norm / pre, max=1.0)
+    nu = torch.minimum(_kl_scale(unclipped, raw), nu_rel)
+    for name in raw:
+        torch.testing.assert_close(
+            clipped[name], unclipped[name] * nu, rtol=1e-12, atol=0.0
+        )
+
+
+def test_relative_clip_auto_follows_kl_clip() -> None:
+    """`'auto'` (the default): the relative cap at 1 without a KL clip,
+    none with one; explicit values stand.
+    """
+    model = _model()
+    defaults = KFACPreconditioner(model)
+    assert (defaults.kl_clip, defaults.relative_clip) == (None, 1.0)
+    defaults.remove()
+    original = KFACPreconditioner(model, kl_clip=0.001)
+    assert (original.kl_clip, original.relative_clip) == (0.001, None)
+    original.remove()
+    both = KFACPreconditioner(model, kl_clip=0.001, relative_clip=2.0)
+    assert (both.kl_clip, both.relative_clip) == (0.001, 2.0)
+
+
 def test_metrics_equal_their_definitions() -> None:
-    precon, unclipped, raw = _preconditioned(None)
+    precon, unclipped, raw = _preconditioned(relative_clip=None)
     assert precon.metrics()['kl_clip_scale'] == 1.0
     pre = math.sqrt(sum(float(g.square().sum()) for g in unclipped.values()))
     norm = math.sqrt(sum(float(g.square().sum()) for g in raw.values()))
     assert precon.metrics()['grad_norm_ratio'] == pytest.approx(
         pre / norm, rel=1e-12
     )
-    clipped, written, _ = _preconditioned(1.0, kl_clip_rule='relative')
+    clipped, written, _ = _preconditioned(relative_clip=1.0)
     ratio = (
         math.sqrt(sum(float(g.square().sum()) for g in written.values()))
         / norm
@@ -179,9 +218,7 @@ def test_an_lr_schedule_on_the_optimizer_reaches_the_clip(
     model = _model()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.4)
     schedule = torch.optim.lr_scheduler.StepLR(optimizer, 1, gamma=0.5)
-    precon = KFACPreconditioner(
-        model, optimizer=optimizer, kl_clip=1e-3, kl_clip_rule='kl'
-    )
+    precon = KFACPreconditioner(model, optimizer=optimizer, kl_clip=1e-3)
     for step in range(3):
         _step(model, precon, optimizer, step)
         assert precon.lr == optimizer.param_groups[0]['lr']
@@ -192,7 +229,7 @@ def test_an_lr_schedule_on_the_optimizer_reaches_the_clip(
 
 
 def test_each_layer_takes_its_groups_lr() -> None:
-    """Two param groups: the 'kl' clip weighs each layer by its own lr."""
+    """Two param groups: the KL clip weighs each layer by its own lr."""
     model = _model()
     fc1, fc2 = model.fc1, model.fc2
     optimizer = torch.optim.SGD(
@@ -201,9 +238,7 @@ def test_each_layer_takes_its_groups_lr() -> None:
             {'params': fc2.parameters(), 'lr': 0.1},
         ]
     )
-    precon = KFACPreconditioner(
-        model, optimizer=optimizer, kl_clip=1e-4, kl_clip_rule='kl'
-    )
+    precon = KFACPreconditioner(model, optimizer=optimizer, kl_clip=1e-4)
     values = precon.hyperparameter_values()
     assert values.lrs == {'fc1': 0.3, 'fc2': 0.1}
     assert values.lr == 0.3
@@ -211,7 +246,7 @@ def test_each_layer_takes_its_groups_lr() -> None:
     F.cross_entropy(model(x), y).backward()
     raw = {n: p.grad.detach().clone() for n, p in model.named_parameters()}  # type: ignore[union-attr]  # every parameter has a gradient
     reference = _model()
-    unclipped = KFACPreconditioner(reference, kl_clip=None)
+    unclipped = KFACPreconditioner(reference, relative_clip=None)
     F.cross_entropy(reference(x), y).backward()
     unclipped.step()
     precon.step()
@@ -263,8 +298,8 @@ def test_optimizer_errors() -> None:
     partial = torch.optim.SGD(model.fc1.parameters(), lr=0.1)
     with pytest.raises(ValueError, match='weights of fc2 are in no param'):
         KFACPreconditioner(model, optimizer=partial)
-    with pytest.raises(ValueError, match='kl_clip_rule must be one of'):
-        KFACPreconditioner(model, kl_clip_rule='KL')
+    with pytest.raises(ValueError, match='relative_clip must be'):
+        KFACPreconditioner(model, relative_clip=-1.0)
 
 
 def test_optimizer_lr_without_layers_reads_the_first_group() -> None:
@@ -275,7 +310,7 @@ def test_optimizer_lr_without_layers_reads_the_first_group() -> None:
     assert repr(source) == 'OptimizerLR(SGD)'
 
 
-HELD_BACK = 'K-FAC: the clip scaled the preconditioned gradients'
+HELD_BACK = 'K-FAC: the KL clip scaled the preconditioned gradients'
 SHORT = 'K-FAC: the gradients handed to the optimizer were less'
 
 
@@ -302,34 +337,29 @@ def test_an_over_clipped_run_warns_once(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     with caplog.at_level(logging.WARNING, logger='kfac'):
-        precon = _train(99, kl_clip=1e-9, damping=0.01, kl_clip_rule='kl')
+        precon = _train(99, kl_clip=1e-9, damping=0.01)
         assert _warnings(caplog, HELD_BACK) == 0  # 99 steps: not yet
         for step in range(30):
             x, y = _data(step % 4)
             F.cross_entropy(precon.model(x), y).backward()
             precon.step()
     assert _warnings(caplog, HELD_BACK) == 1
-    assert "kl_clip_rule='relative'" in caplog.text
+    assert 'clip with relative_clip instead' in caplog.text
 
 
 def test_a_run_with_tiny_updates_warns_once(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    with (
-        caplog.at_level(logging.WARNING, logger='kfac'),
-        pytest.warns(UserWarning, match='kl_clip=1e-09 with kl_clip_rule'),
-    ):
-        _train(130, kl_clip=1e-9, kl_clip_rule='relative', damping=0.01)
+    with caplog.at_level(logging.WARNING, logger='kfac'):
+        _train(130, relative_clip=1e-9, damping=0.01)
     assert _warnings(caplog, SHORT) == 1
-    assert _warnings(caplog, HELD_BACK) == 0  # the rule keeps the lr's role
+    assert _warnings(caplog, HELD_BACK) == 0  # relative: the lr keeps its role
     assert 'lower damping' in caplog.text
 
 
 def test_a_healthy_run_does_not_warn(caplog: pytest.LogCaptureFixture) -> None:
     with caplog.at_level(logging.WARNING, logger='kfac'):
-        precon = _train(
-            130, kl_clip=1.0, kl_clip_rule='relative', damping=0.01
-        )
+        precon = _train(130, relative_clip=1.0, damping=0.01)
     assert _warnings(caplog, HELD_BACK) == 0
     assert _warnings(caplog, SHORT) == 0
     # The clip holds the step at the raw gradient's length: active, yet

@@ -165,8 +165,8 @@ def test_projections_precondition_like_three_linear_layers() -> None:
             return out
 
     model = _Wrapped()
-    precon = KFACPreconditioner(model, kl_clip=None)
-    reference = KFACPreconditioner(twin, kl_clip=None)
+    precon = KFACPreconditioner(model, relative_clip=None)
+    reference = KFACPreconditioner(twin, relative_clip=None)
     assert list(precon.layers) == [
         'attn.out_proj',
         'attn.q_proj',
@@ -234,7 +234,7 @@ def test_separate_projection_weights_without_bias_are_preconditioned() -> None:
             return out
 
     model = _Cross()
-    precon = KFACPreconditioner(model, kl_clip=None)
+    precon = KFACPreconditioner(model, relative_clip=None)
     q = torch.randn(N, L, E, dtype=F64)
     kv = torch.randn(N, S, 8, dtype=F64)
     model(q, kv).tanh().sum().backward()

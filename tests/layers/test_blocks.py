@@ -89,7 +89,11 @@ def _preconditioned(
     model = nn.Sequential(layer)
     options = {'compute_method': 'eigen', **kwargs}
     precon = KFACPreconditioner(
-        model, kl_clip=None, damping=0.01, max_factor_dim=LIMIT, **options
+        model,
+        relative_clip=None,
+        damping=0.01,
+        max_factor_dim=LIMIT,
+        **options,
     )
     out = model(x)
     target = torch.randn(out.shape, dtype=F64, generator=_gen())
@@ -193,7 +197,7 @@ def test_embedding_and_convolution_tiles_precondition_their_blocks() -> None:
     idx = torch.randint(0, 6, (4, 5))
     precon = KFACPreconditioner(
         emb,
-        kl_clip=None,
+        relative_clip=None,
         damping=0.1,
         max_factor_dim=4,
         compute_method='eigen',
@@ -218,7 +222,7 @@ def test_embedding_and_convolution_tiles_precondition_their_blocks() -> None:
     x = torch.randn(4, 3, 6, dtype=F64)
     precon = KFACPreconditioner(
         conv,
-        kl_clip=None,
+        relative_clip=None,
         damping=0.1,
         max_factor_dim=5,
         compute_method='eigen',

@@ -27,7 +27,7 @@ def _step(
     """One step; returns the preconditioner and the first layer's output
     gradient (retained).
     """
-    precon = KFACPreconditioner(model, kl_clip=None, **kwargs)
+    precon = KFACPreconditioner(model, relative_clip=None, **kwargs)
     first = next(iter(precon.layers.values())).module.module
     outputs: list[torch.Tensor] = []
     handle = first.register_forward_hook(
@@ -93,8 +93,10 @@ def test_conv1d_preconditions_like_a_conv2d_of_height_one(
     one = one.double()
     two = nn.Sequential(conv2, nn.Tanh(), nn.Flatten(), nn.Linear(16, 2))
     two[3] = copy.deepcopy(one[3])
-    first = KFACPreconditioner(one, kl_clip=None, kfac_approx=approx)
-    second = KFACPreconditioner(two.double(), kl_clip=None, kfac_approx=approx)
+    first = KFACPreconditioner(one, relative_clip=None, kfac_approx=approx)
+    second = KFACPreconditioner(
+        two.double(), relative_clip=None, kfac_approx=approx
+    )
     for step in range(2):  # a running average and a second decomposition
         x = torch.randn(
             5, 3, 8, dtype=F64, generator=torch.Generator().manual_seed(step)
@@ -198,8 +200,8 @@ def test_grouped_convolution_preconditions_like_one_per_group(
     torch.manual_seed(0)
     conv = grouped().double()
     split = _Split(conv)
-    precon = KFACPreconditioner(conv, kl_clip=None)
-    reference = KFACPreconditioner(split, kl_clip=None)
+    precon = KFACPreconditioner(conv, relative_clip=None)
+    reference = KFACPreconditioner(split, relative_clip=None)
     # the root module's groups: '' + '.group<j>'
     assert list(precon.layers) == [f'.group{j}' for j in range(conv.groups)]
     shape = (

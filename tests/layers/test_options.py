@@ -93,7 +93,7 @@ def test_resolution_order_and_sources() -> None:
 def _preconditioned_grads(
     model: nn.Module, x: torch.Tensor, y: torch.Tensor, **kwargs: Any
 ) -> dict[str, torch.Tensor]:
-    precon = KFACPreconditioner(model, kl_clip=None, **kwargs)
+    precon = KFACPreconditioner(model, relative_clip=None, **kwargs)
     out = model(x)
     if not kwargs.get('batch_first', True):
         out = out.transpose(0, 1)  # (T, N, c) -> (N, T, c)
@@ -146,7 +146,9 @@ def test_transformer_submodules_inherit_the_layout() -> None:
     for model, data in ((first_model, x), (second_model, x.transpose(0, 1))):
         # The head sees the encoder's layout: sequence-first in the second.
         head = {'head': {'batch_first': model.batch_first}}
-        precon = KFACPreconditioner(model, kl_clip=None, module_options=head)
+        precon = KFACPreconditioner(
+            model, relative_clip=None, module_options=head
+        )
         report = {e['name']: e for e in precon.describe()['preconditioned']}
         source = report['layer.linear1']['options']['batch_first']
         assert source['source'] == 'inherited from layer'

@@ -30,7 +30,7 @@ def test_sequence_linear_factors_equal_their_definition(
         'loss_average': loss_average,
         'batch_first': batch_first,
     }
-    precon = KFACPreconditioner(linear, kl_clip=None, **options)
+    precon = KFACPreconditioner(linear, relative_clip=None, **options)
     data = x if batch_first else x.transpose(0, 1)
     out = linear(data)
     out.retain_grad()

@@ -106,7 +106,7 @@ def _step(
 ) -> KFACPreconditioner:
     precon = KFACPreconditioner(
         model,
-        kl_clip=None,
+        relative_clip=None,
         damping=0.01,
         loss_average='batch+sequence',
         **kwargs,  # type: ignore[arg-type]  # keyword options of the preconditioner
@@ -188,7 +188,7 @@ def test_one_use_alone_is_preconditioned_with_its_own_factors() -> None:
     torch.manual_seed(2)
     model = TiedLM(5).double()
     precon = KFACPreconditioner(
-        model, kl_clip=None, damping=0.1, compute_method='eigen'
+        model, relative_clip=None, damping=0.1, compute_method='eigen'
     )
     h = torch.randn(6, DIM, dtype=F64)
     target = torch.randint(0, 5, (6,))
@@ -307,7 +307,7 @@ def test_tied_layer_edges() -> None:
     by three modules is left to the optimizer.
     """
     model = TiedLM(5)
-    precon = KFACPreconditioner(model, kl_clip=None)
+    precon = KFACPreconditioner(model, relative_clip=None)
     layer = precon.layers['wte']
     assert layer.update_factors(0.9) is None
     assert layer.decomposition_input('A') is None and not layer.has_factors

@@ -31,8 +31,7 @@ def wrapped(model: nn.Module) -> KFACOptimizer:
     precon = KFACPreconditioner(
         model,
         damping=0.01,
-        kl_clip_rule='relative',
-        kl_clip=1.0,
+        relative_clip=1.0,
         accumulation_steps=2,
     )
     return KFACOptimizer(base, precon)

@@ -1,5 +1,5 @@
-"""The `'relative'` clip and `optimizer=` under FSDP2 at W = 2: the norms
-of the clip are summed over what each rank holds.
+"""The relative clip (`relative_clip`) and `optimizer=` under FSDP2 at
+W = 2: the norms of the clip are summed over what each rank holds.
 
 * Lossless mode with MEM-OPT (each rank's entries of `V'` scattered to it,
   the statistics summed over the receivers) equals one process on the
@@ -40,8 +40,7 @@ def _lossless(part: tuple[int, int]) -> nn.Module:
         loss_average='batch+sequence',
         inv_update_steps=2,
         damping=0.01,
-        kl_clip=KAPPA,
-        kl_clip_rule='relative',
+        relative_clip=KAPPA,
         grad_worker_fraction='mem_opt',
         optimizer=optimizer,
     )
@@ -70,8 +69,7 @@ def _local_grads(kl_clip: float | None) -> tuple[list[torch.Tensor], ...]:
     precon = KFACPreconditioner(
         model,
         damping=0.01,
-        kl_clip=kl_clip,
-        kl_clip_rule='relative',
+        relative_clip=kl_clip,
         shard_mode='local',
     )
     generator = torch.Generator().manual_seed(11)

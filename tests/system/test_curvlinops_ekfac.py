@@ -63,7 +63,7 @@ def ours(
 ) -> dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
     """`(Q_A, Q_G, S)` of every layer after one step on `(x, y)`."""
     precon = KFACPreconditioner(
-        model, compute_method='ekfac', kl_clip=None, **kw
+        model, compute_method='ekfac', relative_clip=None, **kw
     )
     F.cross_entropy(model(x), y).backward()
     precon.step()

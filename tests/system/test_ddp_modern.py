@@ -74,7 +74,7 @@ def _train(config: dict[str, Any], part: oracle.Part) -> torch.Tensor:
         inv_update_steps=2,
         damping=0.01,
         kl_clip=0.01,
-        **{'factor_update_steps': 1, 'kl_clip_rule': 'kl', **config},
+        **{'factor_update_steps': 1, **config},
     )
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     oracle.train_steps(

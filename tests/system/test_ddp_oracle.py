@@ -89,8 +89,8 @@ def configurations(world_size: int) -> list[dict[str, Any]]:
                 'grad_worker_fraction': strategy,
                 'inv_update_steps': 2,
                 'damping': 0.01,
-                'kl_clip': 0.5,
-                'kl_clip_rule': 'relative',
+                'kl_clip': None,
+                'relative_clip': 0.5,
                 'optimizer': True,
             },
         )

@@ -24,7 +24,6 @@ OPTIONS: dict[str, Any] = {
     'inv_update_steps': 2,
     'damping': 0.01,
     'kl_clip': 0.01,
-    'kl_clip_rule': 'kl',
 }
 
 

@@ -25,6 +25,7 @@ import importlib
 import inspect
 import pathlib
 import re
+import warnings
 from typing import Any
 
 import pytest
@@ -128,9 +129,12 @@ def test_a_logged_warning_fails_the_page() -> None:
 
 
 def test_a_python_warning_fails_the_page() -> None:
-    # A constant kl_clip below 0.1 under the relative rule warns.
-    with pytest.raises(UserWarning, match='kl_clip_rule'), strictly('page'):
-        KFACPreconditioner(nn.Linear(3, 2), kl_clip=0.001).remove()
+    # A snippet whose code warns (here, directly) fails its page.
+    with (
+        pytest.raises(UserWarning, match='a snippet warned'),
+        strictly('page'),
+    ):
+        warnings.warn('a snippet warned', UserWarning, stacklevel=1)
 
 
 def test_checked_prints_are_found() -> None:
@@ -300,8 +304,8 @@ def _scaled_training(unscale_first: bool, **options: Any) -> torch.Tensor:
     ('options', 'order_matters'),
     [
         ({}, False),
-        ({'kl_clip': None}, False),
-        ({'kl_clip': 0.001, 'kl_clip_rule': 'kl'}, True),
+        ({'relative_clip': None}, False),
+        ({'kl_clip': 0.001}, True),
     ],
     ids=['relative', 'no-clip', 'kl'],
 )

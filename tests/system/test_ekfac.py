@@ -101,7 +101,7 @@ def one_step(
     **kw: Any,
 ) -> KFACPreconditioner:
     precon = KFACPreconditioner(
-        model, compute_method='ekfac', kl_clip=None, **kw
+        model, compute_method='ekfac', relative_clip=None, **kw
     )
     loss(model(x), y).backward()
     precon.step()
@@ -267,7 +267,7 @@ def test_sequence_first_embedding_and_linear() -> None:
     y = torch.randint(0, VOCAB, (N, T))
     grads = per_example_grads(model, token_loss, x, y)
     precon = KFACPreconditioner(
-        model, compute_method='ekfac', kl_clip=None, batch_first=False
+        model, compute_method='ekfac', relative_clip=None, batch_first=False
     )
     token_loss(model(x.T), y.T).backward()
     precon.step()
@@ -348,7 +348,7 @@ def test_batch_of_one_is_the_exact_fisher_block() -> None:
         for name in ('fc1', 'fc2')
     }
     precon = KFACPreconditioner(
-        model, compute_method='ekfac', kl_clip=None, damping=damping
+        model, compute_method='ekfac', relative_clip=None, damping=damping
     )
     F.cross_entropy(model(x), y).backward()
     raw = {name: grad_matrix(model.get_submodule(name)) for name in fishers}

@@ -227,7 +227,7 @@ def test_batch_size_one_factors_equal_the_empirical_fisher() -> None:
         return F.cross_entropy(out, y)
 
     grad = torch.func.grad(loss)(params)['embed.weight'].reshape(-1)
-    precon = KFACPreconditioner(model, kl_clip=None)
+    precon = KFACPreconditioner(model, relative_clip=None)
     loss_of(model, x, y).backward()
     precon.step()
     layer = precon.layers['embed']

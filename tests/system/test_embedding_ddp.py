@@ -53,7 +53,6 @@ def configurations(world_size: int) -> list[dict[str, Any]]:
                 'inv_update_steps': 2,
                 'damping': 0.01,
                 'kl_clip': 0.01,
-                'kl_clip_rule': 'kl',
                 'lr': 0.1,
                 **method,
             }

@@ -56,7 +56,11 @@ def _step_grads(
     from torch.distributed.tensor import DTensor
 
     precon = KFACPreconditioner(
-        model, damping=DAMPING, kl_clip=None, shard_mode=shard_mode, **options
+        model,
+        damping=DAMPING,
+        relative_clip=None,
+        shard_mode=shard_mode,
+        **options,
     )
     x, y = (oracle.rows(t, part) for t in _data())
     nn.functional.cross_entropy(model(x), y).backward()
@@ -76,7 +80,7 @@ def _dense(world: int) -> dict[str, list[torch.Tensor]]:
     unmasked one, from a single-process preconditioner's factors.
     """
     model = _mlp()
-    precon = KFACPreconditioner(model, damping=DAMPING, kl_clip=None)
+    precon = KFACPreconditioner(model, damping=DAMPING, relative_clip=None)
     x, y = _data()
     nn.functional.cross_entropy(model(x), y).backward()
     raw = [p.grad.detach().clone() for p in model.parameters()]  # type: ignore[union-attr]  # backward() above set it
@@ -114,7 +118,7 @@ def _masked_ekfac(world: int) -> list[torch.Tensor]:
     """
     model = _mlp()
     precon = KFACPreconditioner(
-        model, compute_method='ekfac', damping=DAMPING, kl_clip=None
+        model, compute_method='ekfac', damping=DAMPING, relative_clip=None
     )
     for layer in precon.layers.values():
         layer.mask_factor('G', _row_blocks(layer.g.dim, world))
@@ -161,7 +165,7 @@ def _one_step(out_dir: str) -> None:
         pair = nn.Sequential(embed, nn.Linear(4, 3).double())
         fully_shard(pair)
         precon = KFACPreconditioner(
-            pair, shard_mode=mode, kl_clip=None, damping=DAMPING
+            pair, shard_mode=mode, relative_clip=None, damping=DAMPING
         )
         tokens = torch.arange(12).remainder(11).reshape(4, 3)
         mine = oracle.rows(tokens, (rank, world))

@@ -83,7 +83,7 @@ def test_linear_results_stay_finite_and_match_the_oracle(
         compute_eigenvalue_outer_product=case.outer,
         factor_update_steps=case.factor_steps,
         inv_update_steps=case.inv_steps,
-        kl_clip=None,
+        relative_clip=None,
     )
     shape = (case.batch, *case.positions, case.n_in)
     for step in range(case.steps):

@@ -57,8 +57,7 @@ def make(
     precon = KFACPreconditioner(
         model.net,
         damping=0.01,
-        kl_clip_rule='relative',
-        kl_clip=1.0,
+        relative_clip=1.0,
         **kfac_options,
     )
     return KFACOptimizer(base, precon), precon

@@ -42,8 +42,7 @@ class Module(L.LightningModule):
         precon = KFACPreconditioner(
             self.net,
             damping=0.01,
-            kl_clip_rule='relative',
-            kl_clip=1.0,
+            relative_clip=1.0,
             **self.kfac_options,
         )
         optimizer = KFACOptimizer(base, precon)
@@ -89,9 +88,7 @@ def manual(steps: int, clip: float | None) -> TinyMLP:
     torch.manual_seed(0)
     net = TinyMLP()
     base = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
-    precon = KFACPreconditioner(
-        net, damping=0.01, kl_clip_rule='relative', kl_clip=1.0
-    )
+    precon = KFACPreconditioner(net, damping=0.01, relative_clip=1.0)
     optimizer = KFACOptimizer(base, precon)
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, 1, 0.5)
     batches = list(loader())

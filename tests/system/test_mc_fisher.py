@@ -72,7 +72,9 @@ def mc_step(
     **options: Any,
 ) -> KFACPreconditioner:
     """One MC step on `(x, labels)`; the preconditioner (hooks removed)."""
-    precon = KFACPreconditioner(net, fisher_type='mc', kl_clip=None, **options)
+    precon = KFACPreconditioner(
+        net, fisher_type='mc', relative_clip=None, **options
+    )
     out = net(x)
     precon.sample_fisher(out, loss)
     (out**2).mean().backward()  # any loss: G must not depend on it
@@ -102,7 +104,7 @@ def test_one_sample_equals_the_empirical_g_at_independent_samples(
     probs = torch.softmax(net(x).detach(), -1)
     labels = torch.tensor(py_classes(probs, seed, 0, list(range(N)), 0))
     twin = copy.deepcopy(net)
-    precon = KFACPreconditioner(twin, kl_clip=None)
+    precon = KFACPreconditioner(twin, relative_clip=None)
     F.cross_entropy(twin(x), labels).backward()
     precon.step()
     for name, g in g_factors(precon).items():
@@ -120,7 +122,7 @@ def test_masked_tokens_are_left_out_as_ignore_index() -> None:
     indices = torch.arange(10, 10 + N)
     options: dict[str, Any] = {
         'loss_average': 'batch+sequence',
-        'kl_clip': None,
+        'relative_clip': None,
     }
     sampled = copy.deepcopy(net)
     precon = KFACPreconditioner(sampled, fisher_type='mc', **options)
@@ -172,7 +174,9 @@ def test_mse_samples_a_gaussian_of_the_loss_variance(
     variance = C / 2 if loss_average else 1 / 2
     target = out + gaussian_noise(u) * math.sqrt(variance)
     twin = copy.deepcopy(net)
-    precon = KFACPreconditioner(twin, kl_clip=None, loss_average=loss_average)
+    precon = KFACPreconditioner(
+        twin, relative_clip=None, loss_average=loss_average
+    )
     reduction = 'mean' if loss_average else 'sum'
     F.mse_loss(twin(x), target, reduction=reduction).backward()
     precon.step()
@@ -250,7 +254,7 @@ def test_many_samples_converge_to_the_exact_fisher(loss: str) -> None:
         assert error < tolerance, (name, error, tolerance)
     if loss == 'cross_entropy':  # the empirical Fisher is not it
         twin = copy.deepcopy(net)
-        precon = KFACPreconditioner(twin, kl_clip=None)
+        precon = KFACPreconditioner(twin, relative_clip=None)
         F.cross_entropy(twin(x), y).backward()
         precon.step()
         exact, var = moments['2']
@@ -317,13 +321,13 @@ def test_grad_is_unchanged_and_non_update_steps_cost_nothing(
 def test_empirical_ignores_sample_fisher() -> None:
     x, y = data()
     net = model()
-    precon = KFACPreconditioner(net, kl_clip=None)
+    precon = KFACPreconditioner(net, relative_clip=None)
     out = net(x)
     precon.sample_fisher(out)
     F.cross_entropy(out, y).backward()
     precon.step()
     twin = model()
-    reference = KFACPreconditioner(twin, kl_clip=None)
+    reference = KFACPreconditioner(twin, relative_clip=None)
     F.cross_entropy(twin(x), y).backward()
     reference.step()
     for name, g in g_factors(reference).items():
@@ -350,7 +354,7 @@ def test_micro_batches_equal_the_whole_batch() -> None:
         fisher_type='mc',
         mc_samples=3,
         accumulation_steps=2,
-        kl_clip=None,
+        relative_clip=None,
     )
     for part in x.chunk(2):
         out = net(part)
@@ -372,7 +376,7 @@ def test_a_loss_scale_is_divided_out() -> None:
     scaler = torch.amp.GradScaler('cpu', init_scale=512.0)
     net = model()
     precon = KFACPreconditioner(
-        net, fisher_type='mc', grad_scaler=scaler, kl_clip=None
+        net, fisher_type='mc', grad_scaler=scaler, relative_clip=None
     )
     out = net(x)
     precon.sample_fisher(out)
@@ -388,7 +392,7 @@ def test_compiled_model_samples_as_eager() -> None:
     net = model()
     compiled = cast(nn.Module, torch.compile(net, backend='aot_eager'))
     precon = KFACPreconditioner(
-        compiled, fisher_type='mc', mc_samples=2, kl_clip=None
+        compiled, fisher_type='mc', mc_samples=2, relative_clip=None
     )
     out = compiled(x)
     precon.sample_fisher(out)
@@ -557,7 +561,7 @@ def checkpointed_g(reentrant: bool | None) -> dict[str, torch.Tensor]:
     x, y = data()
     net = Checkpointed(reentrant)
     precon = KFACPreconditioner(
-        net, fisher_type='mc', mc_samples=2, kl_clip=None
+        net, fisher_type='mc', mc_samples=2, relative_clip=None
     )
     out = net(x.requires_grad_(reentrant is not None))
     precon.sample_fisher(out)

@@ -159,7 +159,7 @@ def test_batch_size_one_factors_equal_empirical_fisher(
         n: per_example_fisher(reference, n, F.cross_entropy, host(x), y.cpu())
         for n in names
     }
-    precon = KFACPreconditioner(model, kl_clip=None)
+    precon = KFACPreconditioner(model, relative_clip=None)
     F.cross_entropy(model(x), y).backward()
     precon.step()
     # Convolutions share weights across positions: K-FAC approximates there.
@@ -229,7 +229,7 @@ def test_preconditioned_grad_equals_dense_solve(
         model,
         compute_method=method,
         damping=damping,
-        kl_clip=None,
+        relative_clip=None,
         compute_eigenvalue_outer_product=outer,
     )
     x, y = batch(6, shape, device, oracle_dtype)
@@ -257,7 +257,9 @@ def test_kl_clip_equals_formula(
     twin = copy.deepcopy(model)
     kl_clip, lr = 1e-5, 0.3
     x, y = batch(8, (6,), device, oracle_dtype)
-    unclipped = KFACPreconditioner(twin, compute_method=method, kl_clip=None)
+    unclipped = KFACPreconditioner(
+        twin, compute_method=method, relative_clip=None
+    )
     F.cross_entropy(twin(x), y).backward()
     raw = {n: host(grad_matrix(twin.get_submodule(n))) for n in ('fc1', 'fc2')}
     unclipped.step()
@@ -270,7 +272,6 @@ def test_kl_clip_equals_formula(
         model,
         compute_method=method,
         kl_clip=kl_clip,
-        kl_clip_rule='kl',
         lr=lr,
     )
     F.cross_entropy(model(x), y).backward()
@@ -372,9 +373,9 @@ def test_summed_loss_preconditions_like_the_averaged_loss(
     model = build(TinyMLP, device, oracle_dtype)
     twin = copy.deepcopy(model)
     x, y = batch(n, (6,), device, oracle_dtype)
-    mean = KFACPreconditioner(model, kl_clip=None, damping=0.01)
+    mean = KFACPreconditioner(model, relative_clip=None, damping=0.01)
     total = KFACPreconditioner(
-        twin, kl_clip=None, damping=0.01 * n, loss_average=None
+        twin, relative_clip=None, damping=0.01 * n, loss_average=None
     )
     F.cross_entropy(model(x), y).backward()
     F.cross_entropy(twin(x), y, reduction='sum').backward()

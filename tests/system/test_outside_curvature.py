@@ -88,7 +88,7 @@ def options(case: dict[str, Any]) -> dict[str, Any]:
         'inv_update_steps': INV_STEPS,
         'damping': DAMPING,
         'factor_decay': DECAY,
-        'kl_clip': None,
+        'relative_clip': None,
         **case,
     }
 

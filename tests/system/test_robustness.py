@@ -272,7 +272,9 @@ def test_no_decomposition_ever_leaves_the_raw_gradient(
         failing(kmath.symmetric_eigh, lambda dtype: 'nan'),
     )
     model = TinyMLP().to(device, F64)
-    precon = KFACPreconditioner(model, kl_clip=None, compute_method='eigen')
+    precon = KFACPreconditioner(
+        model, relative_clip=None, compute_method='eigen'
+    )
     x, y = batch(8, (6,), device)
     F.cross_entropy(model(x), y).backward()
     raw = {
@@ -368,7 +370,9 @@ def test_outer_product_without_a_eigenvalues_counts_g_as_failed(
 
     monkeypatch.setattr(eigen_module, 'symmetric_eigh', eigh_fails_on_a)
     model = TinyMLP().to(device, F64)
-    precon = KFACPreconditioner(model, kl_clip=None, compute_method='eigen')
+    precon = KFACPreconditioner(
+        model, relative_clip=None, compute_method='eigen'
+    )
     model.zero_grad()
     x, y = batch(8, (6,), device)
     F.cross_entropy(model(x), y).backward()

@@ -85,7 +85,9 @@ def failed_eigh_on_one_rank() -> None:
     torch.manual_seed(0)
     model = TinyMLP().double()
     ddp = nn.parallel.DistributedDataParallel(model)
-    precon = KFACPreconditioner(ddp, kl_clip=None, compute_method='eigen')
+    precon = KFACPreconditioner(
+        ddp, relative_clip=None, compute_method='eigen'
+    )
     rank0 = [
         n for n in precon.layers if precon.assignment.inv_worker(n, 'A') == 0
     ]
