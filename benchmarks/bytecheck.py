@@ -28,6 +28,7 @@ from benchmarks.comm import counted
 from benchmarks.floor import layer_shapes
 from kfac.assignment import KAISAAssignment
 from kfac.distributed import TorchDistributedCommunicator
+from kfac.layers.curvature import method_config
 from kfac.placement import KAISAPlan
 from kfac.placement import factor_cost
 from kfac.placement import plan_kaisa
@@ -173,8 +174,13 @@ def _run_case(case: Case, rank: int) -> dict[str, object]:
     comm = case.comm
     pre = KFACPreconditioner(
         model,
-        compute_method=comm.method,
-        compute_eigenvalue_outer_product=comm.prediv,
+        compute_method=method_config(
+            comm.method,
+            prediv_eigenvalues=comm.prediv
+            if comm.method != 'inverse'
+            else None,
+            factor_rank=comm.factor_rank,
+        ),
         symmetry_aware=comm.symmetry_aware,
         allreduce_bucket_cap_mb=comm.bucket_cap_mb,
         grad_worker_fraction=case.fraction,
@@ -182,7 +188,6 @@ def _run_case(case: Case, rank: int) -> dict[str, object]:
         inv_update_steps=2,
         damping=0.001,
         kl_clip=0.001,
-        factor_rank=comm.factor_rank,
     )
     meter = PhaseBytes(pre.communicator)
     pre.timer = meter

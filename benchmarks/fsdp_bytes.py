@@ -64,6 +64,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from examples import train_fsdp
+from kfac.config import ShardingConfig
+from kfac.config import StatisticsConfig
 from kfac.preconditioner import KFACPreconditioner
 from testing.distributed import run_distributed
 
@@ -225,8 +227,10 @@ def measure_rank(
             damping=0.001,
             kl_clip=0.001,
             grad_worker_fraction='comm_opt' if local else strategy,
-            shard_mode='local' if local else 'lossless',
-            loss_average='batch+sequence',
+            statistics=StatisticsConfig(loss_average='batch+sequence'),
+            sharding=ShardingConfig(
+                shard_mode='local' if local else 'lossless'
+            ),
         )
         per_rank = args.batch_size // world
         rows = []

@@ -42,6 +42,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from examples import train_fsdp
+from kfac.config import StatisticsConfig
 from kfac.layers.attention import convert_attention
 from kfac.preconditioner import KFACPreconditioner
 from testing.distributed import run_distributed
@@ -129,7 +130,7 @@ def measure_rank(setup: str, out_dir: str) -> None:
             damping=0.001,
             kl_clip=0.001,
             grad_worker_fraction=strategy,
-            loss_average='batch+sequence',
+            statistics=StatisticsConfig(loss_average='batch+sequence'),
         )
     per_rank = args.batch_size // world
     for step in range(STEPS):

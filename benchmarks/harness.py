@@ -33,7 +33,10 @@ from typing import Any
 import torch
 
 from benchmarks.models import Bench
+from kfac.config import FisherConfig
+from kfac.config import StatisticsConfig
 from kfac.hyperparams import ORIGINAL_DEFAULTS
+from kfac.layers.curvature import method_config
 from kfac.preconditioner import KFACPreconditioner
 from kfac.tracing import PhaseTimer
 
@@ -205,17 +208,20 @@ class Runner:
         if config.method is not None:
             self.preconditioner = KFACPreconditioner(
                 self.net,
-                compute_method=config.method,
+                compute_method=method_config(
+                    config.method, factor_rank=config.rank
+                ),
                 factor_update_steps=config.factor_steps,
                 inv_update_steps=config.inv_steps,
                 lr=LR,
                 skip_layers=bench.skip_layers,
-                kfac_approx=config.approx,
-                compile_arithmetic=config.arithmetic,
-                fisher_type=config.fisher,
-                factor_rank=config.rank,
-                position_sample=config.sample,
                 **{**KFAC_DEFAULTS, **bench.kfac_options},
+                statistics=StatisticsConfig(
+                    kfac_approx=config.approx,
+                    position_sample=config.sample,
+                    compile_arithmetic=config.arithmetic,
+                ),
+                fisher=FisherConfig(fisher_type=config.fisher),
             )
             self.preconditioner.timer = self.timer
         self.steps = 0

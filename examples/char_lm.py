@@ -47,6 +47,8 @@ from examples.comparison import Curve
 from examples.comparison import plot_curves
 from examples.gpt import GPT
 from examples.gpt import GPTConfig
+from kfac.config import StatisticsConfig
+from kfac.layers.curvature import method_config
 from kfac.preconditioner import KFACPreconditioner
 
 logger = logging.getLogger('examples.char_lm')
@@ -214,11 +216,18 @@ def build_kfac(
         kl_clip=args.kfac_kl_clip or None,
         relative_clip=args.kfac_relative_clip or None,
         optimizer=optimizer,
-        loss_average='batch+sequence',
-        kfac_approx=args.kfac_approx,
         skip_layers=args.kfac_skip_layers,
-        compute_method=args.kfac_compute_method,
-        basis_refresh=args.kfac_basis_refresh,
+        compute_method=method_config(
+            args.kfac_compute_method,
+            basis_refresh=(
+                None
+                if args.kfac_compute_method == 'inverse'
+                else args.kfac_basis_refresh
+            ),
+        ),
+        statistics=StatisticsConfig(
+            loss_average='batch+sequence', kfac_approx=args.kfac_approx
+        ),
     )
 
 

@@ -59,6 +59,8 @@ from torch.distributed.fsdp import fully_shard
 
 from kfac.checkpoint import dcp_state
 from kfac.checkpoint import load_dcp
+from kfac.config import ShardingConfig
+from kfac.config import StatisticsConfig
 from kfac.layers.attention import convert_attention
 from kfac.preconditioner import KFACPreconditioner
 
@@ -260,9 +262,10 @@ def build_kfac(
         kl_clip=0.001,
         compute_method=args.compute_method,
         grad_worker_fraction=strategy,
-        shard_mode=args.shard_mode,
-        loss_average='batch+sequence',  # the loss averages over tokens
+        # the loss averages over tokens
         optimizer=optimizer,
+        statistics=StatisticsConfig(loss_average='batch+sequence'),
+        sharding=ShardingConfig(shard_mode=args.shard_mode),
     )
 
 

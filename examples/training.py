@@ -33,6 +33,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from kfac.layers.curvature import method_config
 from kfac.preconditioner import KFACPreconditioner
 from kfac.scheduler import LambdaParamScheduler
 
@@ -271,8 +272,14 @@ def build_kfac(
         grad_worker_fraction=strategy,
         grad_scaler=precision.scaler,
         skip_layers=args.kfac_skip_layers,
-        compute_method=args.kfac_compute_method,
-        basis_refresh=args.kfac_basis_refresh,
+        compute_method=method_config(
+            args.kfac_compute_method,
+            basis_refresh=(
+                None
+                if args.kfac_compute_method == 'inverse'
+                else args.kfac_basis_refresh
+            ),
+        ),
     )
     growth = milestone_lambda(
         args.kfac_interval_growth_epochs,

@@ -1,11 +1,24 @@
 """The validated, non-schedulable options of a K-FAC preconditioner.
 
 [`KFACConfig`][kfac.config.KFACConfig] holds those of
-[`KFACPreconditioner`][kfac.preconditioner.KFACPreconditioner] (how
-layers are registered and placed); [`EngineOptions`][kfac.config.EngineOptions]
-those of the engine,
-[`BaseKFACPreconditioner`][kfac.base_preconditioner.BaseKFACPreconditioner]
-(how a step runs).
+[`KFACPreconditioner`][kfac.preconditioner.KFACPreconditioner]: the
+original KAISA code's options flat, and those added since grouped by
+subject in small frozen dataclasses given where they apply:
+
+* the method's own options with the method (`compute_method`: a name, or
+  a [`CurvatureConfig`][kfac.layers.curvature.base.CurvatureConfig] such
+  as `EigenConfig(basis_refresh='qr', factor_rank=32)`);
+* the statistics' ([`StatisticsConfig`][kfac.config.StatisticsConfig]:
+  how the loss averages, the input layout, expand or reduce, factor-size
+  limit, sampled positions, compiled running averages);
+* the Fisher's ([`FisherConfig`][kfac.config.FisherConfig]: empirical or
+  Monte Carlo, samples, seed);
+* the sharding's ([`ShardingConfig`][kfac.config.ShardingConfig]: FSDP2's
+  lossless or local mode).
+
+[`EngineOptions`][kfac.config.EngineOptions] are those the engine,
+[`BaseKFACPreconditioner`][kfac.base_preconditioner.BaseKFACPreconditioner],
+needs for a step, derived from a `KFACConfig`.
 """
 
 from __future__ import annotations
@@ -22,18 +35,20 @@ from torch import nn
 from kfac.enums import AssignmentStrategy
 from kfac.enums import ComputeMethod
 from kfac.enums import DistributedStrategy
+from kfac.enums import FisherType
+from kfac.enums import KFACApprox
+from kfac.enums import LossAverage
+from kfac.enums import ShardMode
 from kfac.enums import parse_enum
 from kfac.layers.attention import convert_attention
 from kfac.layers.base import KFACBaseLayer
 from kfac.layers.curvature.base import CurvatureConfig
-from kfac.layers.curvature.eigen import BASIS_REFRESHES
 from kfac.layers.curvature.eigen import EigenConfig
 from kfac.layers.curvature.ekfac import EKFACConfig
 from kfac.layers.curvature.inverse import InverseConfig
 from kfac.layers.factory import make_layer
 from kfac.layers.helper import ModuleHelper
 from kfac.layers.options import DEFAULT_MAX_FACTOR_DIM
-from kfac.layers.options import KFAC_APPROXIMATIONS
 from kfac.layers.options import ModuleOptions
 from kfac.layers.options import check_module_options
 from kfac.layers.register import Registration
@@ -43,24 +58,21 @@ from kfac.layers.sampling import SampleKey
 from kfac.layers.sampling import check_position_sample
 from kfac.layers.sampling import check_seed
 from kfac.layers.statistics import check_loss_average
-from kfac.math.fisher import FISHER_TYPES
-from kfac.math.lowrank import DAMPING_MODES
 from kfac.placement import parse_grad_worker_fraction
 from kfac.validation import check_bool
-from kfac.validation import check_choice
 from kfac.validation import check_dtype
+from kfac.validation import check_instance
 from kfac.validation import validate_float
 from kfac.validation import validate_int
 
 __all__ = [
-    'SHARD_MODES',
     'EngineOptions',
+    'FisherConfig',
     'FractionLike',
     'KFACConfig',
+    'ShardingConfig',
+    'StatisticsConfig',
 ]
-
-SHARD_MODES = ('lossless', 'local')
-"""How gradients of FSDP2-sharded parameters are preconditioned."""
 
 
 FractionLike = float | DistributedStrategy | str
@@ -68,16 +80,167 @@ FractionLike = float | DistributedStrategy | str
 [`DistributedStrategy`][kfac.enums.DistributedStrategy], or its name."""
 
 
+def _set(config: object, name: str, value: object) -> None:
+    """Store a normalised field of a frozen dataclass."""
+    object.__setattr__(config, name, value)
+
+
+@dataclasses.dataclass(frozen=True)
+class StatisticsConfig:
+    """How the factors `A` and `G` are formed from the hook data.
+
+    Attributes:
+        loss_average: how the loss averages its terms: `'batch'` (a mean
+            over the `N` examples, PyTorch's default reduction),
+            `'batch+sequence'` (a mean over examples and positions, as
+            language-model losses are) or None (a summed loss); see
+            [`kfac.math`][kfac.math] for the factors of each.
+        batch_first: the model-wide layout of module inputs: `(N, ...)`,
+            or with False `(T, N, ...)` (sequence-first); modules inside an
+            `nn.MultiheadAttention` or `nn.Transformer*` follow its own
+            `batch_first` (see [`kfac.layers.options`][kfac.layers.options]).
+        kfac_approx: how weight-sharing positions enter the factors:
+            `'expand'` or `'reduce'` (Eschenhagen et al., NeurIPS 2023; `T`
+            times cheaper for `T` positions).
+        max_factor_dim: the largest side of a dense factor kept whole
+            (default 8192: every factor of ResNet-50 and BERT-Large); a
+            layer with a longer one is preconditioned in tiles with
+            block-diagonal factors of at most this side (see
+            [`kfac.layers.blocks`][kfac.layers.blocks]); None: no limit.
+        position_sample: form `A` and `G` from a sample of each example's
+            weight-sharing positions: an int (positions per example) or a
+            float in (0, 1] (a fraction of them); None: all. Unbiased; see
+            [`kfac.layers.sampling`][kfac.layers.sampling].
+        position_sample_seed: the seed of those draws (saved in the
+            state).
+        compile_arithmetic: fold each factor's batch into its running
+            average with one kernel compiled by `torch.compile` instead of
+            several eager ones (equal up to rounding; the first factor
+            update compiles it, a few seconds). Off by default: on CPUs it
+            is slower below factors of about 1000 rows (see the compile
+            guide).
+
+    `batch_first`, `kfac_approx`, `max_factor_dim` and `position_sample`
+    are the model-wide values of per-module options (`module_options`).
+
+    Raises:
+        TypeError, ValueError: a field of the wrong type or value.
+
+    Examples:
+        >>> StatisticsConfig(kfac_approx='Reduce').kfac_approx
+        <KFACApprox.REDUCE: 'reduce'>
+    """
+
+    loss_average: LossAverage | str | None = LossAverage.BATCH
+    batch_first: bool = True
+    kfac_approx: KFACApprox | str = KFACApprox.EXPAND
+    max_factor_dim: int | None = DEFAULT_MAX_FACTOR_DIM
+    position_sample: int | float | None = None
+    position_sample_seed: int = 0
+    compile_arithmetic: bool = False
+
+    def __post_init__(self) -> None:
+        _set(self, 'loss_average', check_loss_average(self.loss_average))
+        approx = parse_enum(KFACApprox, self.kfac_approx, 'kfac_approx')
+        _set(self, 'kfac_approx', approx)
+        if self.max_factor_dim is not None:
+            _set(
+                self,
+                'max_factor_dim',
+                validate_int('max_factor_dim', self.max_factor_dim),
+            )
+        _set(
+            self,
+            'position_sample',
+            check_position_sample(self.position_sample),
+        )
+        _set(
+            self,
+            'position_sample_seed',
+            check_seed(self.position_sample_seed),
+        )
+        for name in ('batch_first', 'compile_arithmetic'):
+            _set(self, name, check_bool(name, getattr(self, name)))
+
+    def module_defaults(self) -> ModuleOptions:
+        """The model-wide values of the per-module options."""
+        return ModuleOptions(
+            batch_first=self.batch_first,
+            kfac_approx=self.kfac_approx,
+            max_factor_dim=self.max_factor_dim,
+            position_sample=self.position_sample,
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class FisherConfig:
+    """Where `G`'s output gradients come from.
+
+    Attributes:
+        fisher_type: `'empirical'` (the backward pass of the training
+            loss) or `'mc'` (the Monte Carlo Fisher of Martens & Grosse: a
+            backward pass of the loss at targets sampled from the model,
+            run by
+            [`sample_fisher`][kfac.preconditioner.KFACPreconditioner.sample_fisher]
+            on factor-update steps; see
+            [`kfac.math.fisher`][kfac.math.fisher]).
+        mc_samples: `'mc'`: sampled backward passes per forward pass.
+        mc_seed: `'mc'`: the seed of the sampling (saved in the state).
+
+    Raises:
+        TypeError, ValueError: a field of the wrong type or value.
+    """
+
+    fisher_type: FisherType | str = FisherType.EMPIRICAL
+    mc_samples: int = 1
+    mc_seed: int = 0
+
+    def __post_init__(self) -> None:
+        kind = parse_enum(FisherType, self.fisher_type, 'fisher_type')
+        _set(self, 'fisher_type', kind)
+        _set(self, 'mc_samples', validate_int('mc_samples', self.mc_samples))
+        seed = validate_int('mc_seed', self.mc_seed, minimum=0)
+        if seed >= 1 << 63:
+            raise ValueError(f'mc_seed must be < 2**63; got {seed}')
+        _set(self, 'mc_seed', seed)
+
+
+@dataclasses.dataclass(frozen=True)
+class ShardingConfig:
+    """How a model sharded with FSDP2 `fully_shard` is preconditioned.
+
+    Attributes:
+        shard_mode: `'lossless'` (each layer's whole gradient is gathered,
+            preconditioned and returned to the shards; equal to one
+            process) or `'local'` (each rank preconditions its own rows
+            with the factor on the sharded side made block-diagonal by
+            shard; no gradient communication; needs
+            `grad_worker_fraction='comm_opt'`; an approximation). See the
+            distributed guide.
+
+    Raises:
+        TypeError, ValueError: a field of the wrong type or value.
+    """
+
+    shard_mode: ShardMode | str = ShardMode.LOSSLESS
+
+    def __post_init__(self) -> None:
+        mode = parse_enum(ShardMode, self.shard_mode, 'shard_mode')
+        _set(self, 'shard_mode', mode)
+
+
 @dataclasses.dataclass(frozen=True)
 class KFACConfig:
     """The non-schedulable options of a K-FAC preconditioner, validated.
 
     See [`KFACPreconditioner`][kfac.preconditioner.KFACPreconditioner] for
-    each field's meaning. Fields take what the preconditioner's keyword
-    arguments take and hold it normalised once constructed: enum names
-    become [`ComputeMethod`][kfac.enums.ComputeMethod] and
-    [`AssignmentStrategy`][kfac.enums.AssignmentStrategy] members, a
-    numeric `grad_worker_fraction` a `float` (a strategy name a
+    each field's meaning (the original's keywords, `module_options`, and
+    the groups [`StatisticsConfig`][kfac.config.StatisticsConfig],
+    [`FisherConfig`][kfac.config.FisherConfig] and
+    [`ShardingConfig`][kfac.config.ShardingConfig]). Fields take what the
+    preconditioner's keyword arguments take and hold it normalised once
+    constructed: names become enum members, a numeric
+    `grad_worker_fraction` a `float` (a strategy name a
     [`DistributedStrategy`][kfac.enums.DistributedStrategy]),
     `allreduce_bucket_cap_mb` a `float` and `skip_layers` a tuple of
     patterns.
@@ -86,13 +249,11 @@ class KFACConfig:
         TypeError: a field has the wrong type.
         ValueError: a field has a disallowed value, EIGEN's
             `compute_eigenvalue_outer_product` is asked for without
-            `colocate_factors`, `basis_refresh='qr'` with INVERSE (which
-            has no eigenbasis), or `damping_mode='relative'` with EKFAC.
+            `colocate_factors`, or Monte Carlo options no method takes.
 
     Examples:
         >>> KFACConfig(compute_method='Inverse').compute_method
         <ComputeMethod.INVERSE: 'inverse'>
-
     """
 
     accumulation_steps: int = 1
@@ -110,27 +271,53 @@ class KFACConfig:
     skip_layers: str | Iterable[str] | None = ()
     update_factors_in_hook: bool = True
     loglevel: int = logging.DEBUG
-    loss_average: str | None = 'batch'
-    batch_first: bool = True
-    kfac_approx: str = 'expand'
     module_options: Mapping[str, Mapping[str, Any]] | None = None
-    max_factor_dim: int | None = DEFAULT_MAX_FACTOR_DIM
-    shard_mode: str = 'lossless'
-    basis_refresh: str = 'eigh'
-    compile_arithmetic: bool = False
-    fisher_type: str = 'empirical'
-    mc_samples: int = 1
-    mc_seed: int = 0
-    factor_rank: int | None = None
-    damping_mode: str = 'absolute'
-    position_sample: int | float | None = None
-    position_sample_seed: int = 0
+    statistics: StatisticsConfig = dataclasses.field(
+        default_factory=StatisticsConfig
+    )
+    fisher: FisherConfig = dataclasses.field(default_factory=FisherConfig)
+    sharding: ShardingConfig = dataclasses.field(
+        default_factory=ShardingConfig
+    )
 
     def __post_init__(self) -> None:
-        checked = {
+        for name, value in self._checked().items():
+            _set(self, name, value)
+        method = self.curvature()
+        if (
+            isinstance(self.compute_method, CurvatureConfig)
+            and not self.compute_eigenvalue_outer_product
+        ):
+            raise ValueError(
+                'compute_eigenvalue_outer_product=False beside compute_method='
+                f'{self.compute_method!r}: give the method its '
+                'prediv_eigenvalues in its config object',
+            )
+        if (
+            isinstance(method, EigenConfig)
+            and method.prediv_eigenvalues
+            and not self.colocate_factors
+        ):
+            raise ValueError(
+                'compute_eigenvalue_outer_product=True needs '
+                'colocate_factors=True (both eigendecompositions on one rank)',
+            )
+        if (
+            self.fisher.fisher_type == 'mc'
+            and self.fisher.mc_samples > 1
+            and isinstance(method, EKFACConfig)
+        ):
+            raise ValueError(
+                f'mc_samples={self.fisher.mc_samples} is not supported with '
+                "compute_method='ekfac' (its per-example scaling needs one "
+                'gradient per example); use mc_samples=1',
+            )
+
+    def _checked(self) -> dict[str, object]:
+        """Every field, validated and normalised."""
+        checked: dict[str, object] = {
             'accumulation_steps': validate_int(
-                'accumulation_steps',
-                self.accumulation_steps,
+                'accumulation_steps', self.accumulation_steps
             ),
             'allreduce_bucket_cap_mb': validate_float(
                 'allreduce_bucket_cap_mb',
@@ -151,32 +338,6 @@ class KFACConfig:
             'inv_dtype': check_dtype('inv_dtype', self.inv_dtype),
             'skip_layers': tuple(compile_patterns(self.skip_layers)),
             'loglevel': validate_int('loglevel', self.loglevel, minimum=0),
-            'loss_average': check_loss_average(self.loss_average),
-            'kfac_approx': check_choice(
-                'kfac_approx', self.kfac_approx, KFAC_APPROXIMATIONS
-            ),
-            'max_factor_dim': None
-            if self.max_factor_dim is None
-            else validate_int('max_factor_dim', self.max_factor_dim),
-            'shard_mode': check_choice(
-                'shard_mode', self.shard_mode, SHARD_MODES
-            ),
-            'basis_refresh': check_choice(
-                'basis_refresh', self.basis_refresh, BASIS_REFRESHES
-            ),
-            'fisher_type': check_choice(
-                'fisher_type', self.fisher_type, FISHER_TYPES
-            ),
-            'mc_samples': validate_int('mc_samples', self.mc_samples),
-            'mc_seed': validate_int('mc_seed', self.mc_seed, minimum=0),
-            'factor_rank': None
-            if self.factor_rank is None
-            else validate_int('factor_rank', self.factor_rank),
-            'damping_mode': check_choice(
-                'damping_mode', self.damping_mode, DAMPING_MODES
-            ),
-            'position_sample': check_position_sample(self.position_sample),
-            'position_sample_seed': check_seed(self.position_sample_seed),
             'module_options': {
                 pattern: dict(options)
                 for pattern, options in check_module_options(
@@ -189,42 +350,17 @@ class KFACConfig:
             'compute_eigenvalue_outer_product',
             'symmetry_aware',
             'update_factors_in_hook',
-            'batch_first',
-            'compile_arithmetic',
         ):
             checked[name] = check_bool(name, getattr(self, name))
-        for name, value in checked.items():
-            object.__setattr__(self, name, value)
-        _check_method_options(self)
-        method = self.curvature()
-        if (
-            isinstance(method, EigenConfig)
-            and method.prediv_eigenvalues
-            and not self.colocate_factors
+        for name, kind in (
+            ('statistics', StatisticsConfig),
+            ('fisher', FisherConfig),
+            ('sharding', ShardingConfig),
         ):
-            raise ValueError(
-                'compute_eigenvalue_outer_product=True needs '
-                'colocate_factors=True (both eigendecompositions on one rank)',
+            check_instance(
+                name, getattr(self, name), kind, f'a kfac.{kind.__name__}'
             )
-        if (
-            self.compute_method is ComputeMethod.EKFAC
-            and self.damping_mode != 'absolute'
-        ):
-            raise ValueError(
-                f'damping_mode={self.damping_mode!r} needs '
-                "compute_method='eigen' or 'inverse'; EKFAC adds λ to its "
-                "scaling as given (leave damping_mode='absolute')",
-            )
-        if (
-            self.compute_method is ComputeMethod.INVERSE
-            and self.basis_refresh != 'eigh'
-        ):
-            raise ValueError(
-                f'basis_refresh={self.basis_refresh!r} refreshes eigenbases: '
-                "it needs compute_method='eigen' or 'ekfac'; INVERSE has "
-                "none (leave basis_refresh='eigh')",
-            )
-        _check_mc(self)
+        return checked
 
     def register(
         self, model: nn.Module, sample_key: SampleKey | None = None
@@ -239,13 +375,7 @@ class KFACConfig:
         registration = register_model(
             model,
             skip_layers=self.skip_layers,
-            defaults=ModuleOptions(
-                batch_first=self.batch_first,
-                kfac_approx=self.kfac_approx,
-                max_factor_dim=self.max_factor_dim,
-                factor_rank=self.factor_rank,
-                position_sample=self.position_sample,
-            ),
+            defaults=self.statistics.module_defaults(),
             module_options=self.module_options,
             sample_key=sample_key,
         )
@@ -264,47 +394,41 @@ class KFACConfig:
             accumulation_steps=self.accumulation_steps,
             update_factors_in_hook=self.update_factors_in_hook,
             bucketed=self.allreduce_bucket_cap_mb > 0,
-            shard_mode=self.shard_mode,
-            compile_arithmetic=self.compile_arithmetic,
-            position_sample_seed=self.position_sample_seed,
+            shard_mode=self.sharding.shard_mode,
+            compile_arithmetic=self.statistics.compile_arithmetic,
+            position_sample_seed=self.statistics.position_sample_seed,
         )
 
     def curvature(self) -> CurvatureConfig:
         """The method with its options: `compute_method` itself when it is
         a [`CurvatureConfig`][kfac.layers.curvature.base.CurvatureConfig],
-        else the named method's config from `compute_eigenvalue_outer_product`,
-        `basis_refresh` and `damping_mode`.
+        else the named method's config, with
+        `compute_eigenvalue_outer_product` (EIGEN, EKFAC).
         """
         method = self.compute_method
         if isinstance(method, CurvatureConfig):
             return method
         prediv = self.compute_eigenvalue_outer_product
         if method is ComputeMethod.EIGEN:
-            return EigenConfig(
-                prediv_eigenvalues=prediv,
-                basis_refresh=self.basis_refresh,
-                damping_mode=self.damping_mode,
-            )
+            return EigenConfig(prediv_eigenvalues=prediv)
         if method is ComputeMethod.EKFAC:
-            return EKFACConfig(
-                prediv_eigenvalues=prediv, basis_refresh=self.basis_refresh
-            )
-        return InverseConfig(damping_mode=self.damping_mode)
+            return EKFACConfig(prediv_eigenvalues=prediv)
+        return InverseConfig()
 
     def make_layer(
         self, name: str, helper: ModuleHelper, options: ModuleOptions
     ) -> KFACBaseLayer:
-        """The layer of `compute_method` for module `name` (see
+        """The layer of module `name`: its own `compute_method` (from
+        `module_options`) or the model-wide one (see
         [`make_layer`][kfac.layers.factory.make_layer]).
         """
         return make_layer(
             name,
             helper,
-            options,
-            method=self.curvature(),
+            method=options.compute_method or self.curvature(),
             factor_dtype=self.factor_dtype,
             inv_dtype=self.inv_dtype,
-            loss_average=self.loss_average,
+            loss_average=self.statistics.loss_average,
         )
 
 
@@ -316,41 +440,6 @@ def _parse_method(method: object) -> ComputeMethod | CurvatureConfig:
     if isinstance(method, CurvatureConfig):
         return method
     return parse_enum(ComputeMethod, method, 'compute_method')
-
-
-def _check_method_options(config: KFACConfig) -> None:
-    """Raise `ValueError` for a method's flat option set beside a method
-    object (whose own fields hold its options).
-    """
-    if not isinstance(config.compute_method, CurvatureConfig):
-        return
-    for name, default in (
-        ('basis_refresh', 'eigh'),
-        ('damping_mode', 'absolute'),
-    ):
-        value = getattr(config, name)
-        if value != default:
-            raise ValueError(
-                f'{name}={value!r} beside compute_method='
-                f'{config.compute_method!r}: give the method its options '
-                f'in its config object, not as keywords',
-            )
-
-
-def _check_mc(config: KFACConfig) -> None:
-    """Raise `ValueError` for Monte Carlo options no code path takes."""
-    if config.mc_seed >= 1 << 63:
-        raise ValueError(f'mc_seed must be < 2**63; got {config.mc_seed}')
-    if (
-        config.fisher_type == 'mc'
-        and config.mc_samples > 1
-        and isinstance(config.curvature(), EKFACConfig)
-    ):
-        raise ValueError(
-            f'mc_samples={config.mc_samples} is not supported with '
-            "compute_method='ekfac' (its per-example scaling needs one "
-            'gradient per example); use mc_samples=1',
-        )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -365,11 +454,8 @@ class EngineOptions:
             (and start their allreduce after the last micro-batch) instead
             of keeping activations until `step()`.
         bucketed: allreduce factors in buckets.
-        shard_mode: for parameters sharded by FSDP2 (DTensors):
-            `'lossless'` gathers each layer's whole gradient and equals one
-            process; `'local'` preconditions each rank's rows alone, with
-            the factor on the sharded side made block-diagonal by shard (no
-            gradient communication; an approximation).
+        shard_mode: for parameters sharded by FSDP2 (DTensors), see
+            [`ShardingConfig`][kfac.config.ShardingConfig].
         compile_arithmetic: fold each factor's batch into its running
             average with one kernel compiled by `torch.compile` (see
             [`KroneckerFactor.update`][kfac.layers.factor.KroneckerFactor.update]).
@@ -385,7 +471,7 @@ class EngineOptions:
     accumulation_steps: int = 1
     update_factors_in_hook: bool = True
     bucketed: bool = True
-    shard_mode: str = 'lossless'
+    shard_mode: ShardMode | str = ShardMode.LOSSLESS
     compile_arithmetic: bool = False
     position_sample_seed: int = 0
 
@@ -393,7 +479,11 @@ class EngineOptions:
         validate_int('accumulation_steps', self.accumulation_steps)
         check_bool('update_factors_in_hook', self.update_factors_in_hook)
         check_bool('bucketed', self.bucketed)
-        check_choice('shard_mode', self.shard_mode, SHARD_MODES)
+        _set(
+            self,
+            'shard_mode',
+            parse_enum(ShardMode, self.shard_mode, 'shard_mode'),
+        )
         check_bool('compile_arithmetic', self.compile_arithmetic)
         check_seed(self.position_sample_seed)
 

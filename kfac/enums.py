@@ -1,8 +1,11 @@
 """Enumerations of the choices K-FAC offers.
 
-Every place that takes one of these enums also takes its name or value as a
-string, case-insensitively (`'eigen'`, `'EIGEN'` and `ComputeMethod.EIGEN`
-are the same choice); see [`parse_enum`][kfac.enums.parse_enum].
+Every choice is a `str` enum: a member equals its value
+(`ComputeMethod.EIGEN == 'eigen'`), and every place that takes one also
+takes its name or value as a string, case-insensitively (`'eigen'`,
+`'EIGEN'` and `ComputeMethod.EIGEN` are the same choice); see
+[`parse_enum`][kfac.enums.parse_enum]. A summed loss is `loss_average=None`
+(no member of [`LossAverage`][kfac.enums.LossAverage]).
 """
 
 from __future__ import annotations
@@ -17,8 +20,11 @@ FACTOR_NAMES = ('A', 'G')
 handled: `A` (input side) and `G` (output-gradient side)."""
 
 
-class _ChoiceEnum(enum.Enum):
+class _ChoiceEnum(str, enum.Enum):
     """Base of the K-FAC enums: string values, case-insensitive lookup."""
+
+    def __str__(self) -> str:
+        return str(self.value)
 
     @classmethod
     def _missing_(cls, value: object) -> _ChoiceEnum | None:
@@ -72,6 +78,76 @@ class DistributedStrategy(_ChoiceEnum):
     COMM_OPT = 'comm_opt'
     MEM_OPT = 'mem_opt'
     HYBRID_OPT = 'hybrid_opt'
+
+
+class BasisRefresh(_ChoiceEnum):
+    """How EIGEN and EKFAC refresh their eigenbases.
+
+    `EIGH`: a full eigendecomposition; `QR`: a few steps of orthogonal
+    iteration from the previous basis (see
+    [`kfac.layers.curvature.eigen`][kfac.layers.curvature.eigen]).
+    """
+
+    EIGH = 'eigh'
+    QR = 'qr'
+
+
+class DampingMode(_ChoiceEnum):
+    """What `damping` is: `ABSOLUTE` (`λ` as given) or `RELATIVE` (`λ`
+    times each layer's mean eigenvalue of `A ⊗ G`).
+    """
+
+    ABSOLUTE = 'absolute'
+    RELATIVE = 'relative'
+
+
+class FisherType(_ChoiceEnum):
+    """Where `G`'s output gradients come from: `EMPIRICAL` (the training
+    loss's backward pass) or `MC` (a backward pass at targets sampled from
+    the model, the Monte Carlo Fisher).
+    """
+
+    EMPIRICAL = 'empirical'
+    MC = 'mc'
+
+
+class KFACApprox(_ChoiceEnum):
+    """How weight-sharing positions enter the factors: `EXPAND` (each
+    position a further example) or `REDUCE` (one row per example;
+    Eschenhagen et al., NeurIPS 2023).
+    """
+
+    EXPAND = 'expand'
+    REDUCE = 'reduce'
+
+
+class LossAverage(_ChoiceEnum):
+    """How the loss averages its terms: `BATCH` (over the `N` examples) or
+    `BATCH_SEQUENCE` (over examples and positions, `'batch+sequence'`); a
+    summed loss is `None`.
+    """
+
+    BATCH = 'batch'
+    BATCH_SEQUENCE = 'batch+sequence'
+
+
+class MCLoss(_ChoiceEnum):
+    """The loss whose predictive distribution the Monte Carlo Fisher
+    samples: `CROSS_ENTROPY` (a categorical) or `MSE` (a Gaussian).
+    """
+
+    CROSS_ENTROPY = 'cross_entropy'
+    MSE = 'mse'
+
+
+class ShardMode(_ChoiceEnum):
+    """How gradients of a model sharded with FSDP2 are preconditioned:
+    `LOSSLESS` (each layer's whole gradient, equal to one process) or
+    `LOCAL` (each rank its own rows; an approximation).
+    """
+
+    LOSSLESS = 'lossless'
+    LOCAL = 'local'
 
 
 E = TypeVar('E', bound=_ChoiceEnum)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import inspect
 import logging
 from collections.abc import Callable
 from collections.abc import Iterable
@@ -22,8 +23,11 @@ from kfac.assignment import KAISAAssignment
 from kfac.assignment import decomposition_work
 from kfac.base_preconditioner import BaseKFACPreconditioner
 from kfac.base_preconditioner import GradScalerLike
+from kfac.config import FisherConfig
 from kfac.config import FractionLike
 from kfac.config import KFACConfig
+from kfac.config import ShardingConfig
+from kfac.config import StatisticsConfig
 from kfac.distributed import TorchDistributedCommunicator
 from kfac.distributed import get_rank
 from kfac.distributed import get_world_size
@@ -35,7 +39,6 @@ from kfac.hyperparams import OptimizerLike
 from kfac.hyperparams import OptimizerLR
 from kfac.hyperparams import check_optimizers
 from kfac.layers.curvature import CurvatureConfig
-from kfac.layers.options import DEFAULT_MAX_FACTOR_DIM
 from kfac.layers.sampling import SampleKey
 from kfac.math.fisher import parse_fisher
 from kfac.state import StateDict
@@ -67,7 +70,7 @@ class KFACPreconditioner(BaseKFACPreconditioner):
         inv_update_steps: steps between decompositions.
         damping: `λ` (EIGEN: added to the Kronecker product exactly;
             EKFAC: added to the scaling `S`; INVERSE: split between the
-            factors with the π correction); see `damping_mode`.
+            factors with the π correction); see the method's `damping_mode`.
         factor_decay: `ξ` in (0, 1] of the factors' running average.
         kl_clip: `κ` of the original's KL clip (the step's KL divergence
             at most `κ/2`; once active, the step no longer depends on the
@@ -107,40 +110,14 @@ class KFACPreconditioner(BaseKFACPreconditioner):
         update_factors_in_hook: compute statistics in the hooks.
         loglevel: the level at which the construction summary (options
             and placement) is logged; nothing else.
-        loss_average: how the loss averages its terms: `'batch'` (the
-            default: a mean over the `N` examples, PyTorch's default
-            reduction), `'batch+sequence'` (a mean over examples and
-            positions, as language-model losses are) or `None` (a summed
-            loss); see [`kfac.math`][kfac.math] for the factors of each.
-        batch_first: the model-wide layout of module inputs: `(N, ...)`, or
-            with False `(T, N, ...)` (sequence-first); modules inside an
-            `nn.MultiheadAttention` or `nn.Transformer*` follow its own
-            `batch_first` (see [`kfac.layers.options`][kfac.layers.options]).
-        kfac_approx: how weight-sharing positions enter the factors:
-            `'expand'` (the default) or `'reduce'` (Eschenhagen et al.,
-            NeurIPS 2023; `T` times cheaper for `T` positions).
-        max_factor_dim: the largest side of a dense factor kept whole
-            (default 8192: every factor of ResNet-50 and BERT-Large); a
-            layer with a longer one is preconditioned in tiles with
-            block-diagonal factors of at most this side (see
-            [`kfac.layers.blocks`][kfac.layers.blocks]); None: no limit.
-        factor_rank: keep a dense factor longer than this as its top
-            `factor_rank` eigenpairs plus one value for the rest of its
-            spectrum (EIGEN and INVERSE; see
-            [`kfac.math.lowrank`][kfac.math.lowrank]); None: whole.
-        module_options: per-module overrides of the options above that are
-            per module (`batch_first`, `kfac_approx`, `max_factor_dim`,
-            `factor_rank`, `position_sample`):
-            `{pattern: {option: value}}`, a pattern selecting modules by
-            dotted name or class name.
-        shard_mode: how gradients of a model sharded with FSDP2
-            `fully_shard` are preconditioned: `'lossless'` (the default:
-            each layer's whole gradient is gathered, preconditioned and
-            returned to the shards; equal to one process) or `'local'`
-            (each rank preconditions its own rows with the factor on the
-            sharded side made block-diagonal by shard; no gradient
-            communication; needs `grad_worker_fraction='comm_opt'`; an
-            approximation). See the distributed guide.
+        module_options: per-module overrides: `{pattern: {option:
+            value}}`, a pattern selecting modules by dotted name or class
+            name; the options are `compute_method` (a
+            [`CurvatureConfig`][kfac.layers.curvature.base.CurvatureConfig],
+            say `EigenConfig(factor_rank=32)` for a wide layer) and the
+            per-module statistics options `batch_first`, `kfac_approx`,
+            `max_factor_dim` and `position_sample` (see
+            [`kfac.layers.options`][kfac.layers.options]).
         optimizer: the optimizer (or a sequence of them, such as Muon on
             the matrices and AdamW on the rest) that trains the model; the
             learning rate is then read at every step from the param group
@@ -152,33 +129,19 @@ class KFACPreconditioner(BaseKFACPreconditioner):
             is 1.0 without `kl_clip` and None with it, so that `kl_clip`
             alone is the original's clip; with both set the smaller
             scale applies (the formulas are in [`kfac.math`][kfac.math]).
-        basis_refresh: how EIGEN and EKFAC refresh their eigenbases:
-            `'eigh'` (a full eigendecomposition) or `'qr'` (a few steps of
-            orthogonal iteration from the previous basis; see
-            [`kfac.layers.eigen`][kfac.layers.eigen]).
-        compile_arithmetic: fold each factor's batch into its running
-            average with one kernel compiled by `torch.compile` instead of
-            several eager ones (equal up to rounding; the first factor
-            update compiles it, a few seconds). Off by default: on CPUs it
-            is slower below factors of about 1000 rows (see the compile
-            guide).
-        fisher_type: where `G`'s output gradients come from: `'empirical'`
-            (the default: the backward pass of the training loss) or
-            `'mc'` (the Monte Carlo Fisher of Martens & Grosse: a backward
-            pass of the loss at targets sampled from the model, run by
-            [`sample_fisher`][kfac.preconditioner.KFACPreconditioner.sample_fisher]
-            on factor-update steps; see
-            [`kfac.math.fisher`][kfac.math.fisher]).
-        mc_samples: `'mc'`: sampled backward passes per forward pass.
-        mc_seed: `'mc'`: the seed of the sampling (saved in `state_dict()`).
-        damping_mode: `'absolute'` (`λ` as given) or `'relative'` (`λ`
-            times each layer's mean eigenvalue of `A ⊗ G`, so one value
-            suits layers and models of any scale; EIGEN and INVERSE).
-        position_sample: form `A` and `G` from a sample of each example's
-            weight-sharing positions: an int (positions per example) or a
-            float in (0, 1] (a fraction of them); None: all. Unbiased; see
-            [`kfac.layers.sampling`][kfac.layers.sampling].
-        position_sample_seed: the seed of those draws (saved in the state).
+        statistics: how `A` and `G` are formed (a
+            [`StatisticsConfig`][kfac.config.StatisticsConfig]: how the
+            loss averages, the input layout, expand or reduce, the
+            factor-size limit, sampled positions, compiled running
+            averages).
+        fisher: where `G`'s output gradients come from (a
+            [`FisherConfig`][kfac.config.FisherConfig]: empirical or Monte
+            Carlo).
+        sharding: how a model sharded with FSDP2 is preconditioned (a
+            [`ShardingConfig`][kfac.config.ShardingConfig]).
+        config: every non-schedulable option at once (a
+            [`KFACConfig`][kfac.config.KFACConfig]); the keywords it holds
+            must then be left at their defaults.
 
     Every hyperparameter (`factor_update_steps` to `lr`, `relative_clip`)
     may also be a callable `step -> value`.
@@ -209,26 +172,16 @@ class KFACPreconditioner(BaseKFACPreconditioner):
         skip_layers: str | Iterable[str] | None = None,
         update_factors_in_hook: bool = True,
         loglevel: int = logging.DEBUG,
-        loss_average: str | None = 'batch',
-        batch_first: bool = True,
-        kfac_approx: str = 'expand',
         module_options: Mapping[str, Mapping[str, Any]] | None = None,
-        max_factor_dim: int | None = DEFAULT_MAX_FACTOR_DIM,
-        shard_mode: str = 'lossless',
         optimizer: OptimizerLike | None = None,
         relative_clip: float
         | Callable[[int], float | None]
         | Literal['auto']
         | None = 'auto',
-        basis_refresh: str = 'eigh',
-        compile_arithmetic: bool = False,
-        fisher_type: str = 'empirical',
-        mc_samples: int = 1,
-        mc_seed: int = 0,
-        factor_rank: int | None = None,
-        damping_mode: str = 'absolute',
-        position_sample: int | float | None = None,
-        position_sample_seed: int = 0,
+        statistics: StatisticsConfig | None = None,
+        fisher: FisherConfig | None = None,
+        sharding: ShardingConfig | None = None,
+        config: KFACConfig | None = None,
     ) -> None:
         check_instance('model', model, nn.Module, 'a torch.nn.Module')
         hyperparameters = Hyperparameters(
@@ -246,36 +199,28 @@ class KFACPreconditioner(BaseKFACPreconditioner):
                 'pass optimizer or lr, not both: with optimizer the learning '
                 'rate is read from its param groups',
             )
-        config = KFACConfig(
-            accumulation_steps=accumulation_steps,
-            allreduce_bucket_cap_mb=allreduce_bucket_cap_mb,
-            assignment_strategy=assignment_strategy,
-            colocate_factors=colocate_factors,
-            compute_method=compute_method,
-            compute_eigenvalue_outer_product=compute_eigenvalue_outer_product,
-            grad_worker_fraction=grad_worker_fraction,
-            symmetry_aware=symmetry_aware,
-            factor_dtype=factor_dtype,
-            inv_dtype=inv_dtype,
-            skip_layers=skip_layers,
-            update_factors_in_hook=update_factors_in_hook,
-            loglevel=loglevel,
-            loss_average=loss_average,
-            batch_first=batch_first,
-            kfac_approx=kfac_approx,
-            module_options=module_options,
-            max_factor_dim=max_factor_dim,
-            shard_mode=shard_mode,
-            basis_refresh=basis_refresh,
-            compile_arithmetic=compile_arithmetic,
-            fisher_type=fisher_type,
-            mc_samples=mc_samples,
-            mc_seed=mc_seed,
-            factor_rank=factor_rank,
-            damping_mode=damping_mode,
-            position_sample=position_sample,
-            position_sample_seed=position_sample_seed,
-        )
+        given = {
+            'accumulation_steps': accumulation_steps,
+            'allreduce_bucket_cap_mb': allreduce_bucket_cap_mb,
+            'assignment_strategy': assignment_strategy,
+            'colocate_factors': colocate_factors,
+            'compute_method': compute_method,
+            'compute_eigenvalue_outer_product': (
+                compute_eigenvalue_outer_product
+            ),
+            'grad_worker_fraction': grad_worker_fraction,
+            'symmetry_aware': symmetry_aware,
+            'factor_dtype': factor_dtype,
+            'inv_dtype': inv_dtype,
+            'skip_layers': skip_layers,
+            'update_factors_in_hook': update_factors_in_hook,
+            'loglevel': loglevel,
+            'module_options': module_options,
+            'statistics': statistics,
+            'fisher': fisher,
+            'sharding': sharding,
+        }
+        config = _config(config, given)
         check_model(unwrap(model))
         self.config = config
         self.model = model
@@ -326,12 +271,12 @@ class KFACPreconditioner(BaseKFACPreconditioner):
         )
         self.fisher = FisherSampler(
             self._capture,
-            fisher_type=config.fisher_type,
-            samples=config.mc_samples,
-            seed=config.mc_seed,
+            fisher_type=config.fisher.fisher_type,
+            samples=config.fisher.mc_samples,
+            seed=config.fisher.mc_seed,
             steps=lambda: self._steps,
             accumulation_steps=config.accumulation_steps,
-            loss_average=config.loss_average,
+            loss_average=config.statistics.loss_average,
         )
         """The Monte Carlo Fisher's sampler."""
         self._report = describe_registration(self.registration, layers)
@@ -419,3 +364,36 @@ def _relative_clip(
     if relative_clip == 'auto':
         return 1.0 if kl_clip is None else None
     return relative_clip  # type: ignore[return-value]  # checked by Hyperparameters
+
+
+def _config(config: object, given: dict[str, Any]) -> KFACConfig:
+    """The `KFACConfig` of the constructor's keywords, or `config` when
+    given (every keyword it holds then left at its default).
+
+    Raises:
+        TypeError: `config` is not a `KFACConfig`.
+        ValueError: a keyword given beside `config`.
+    """
+    given = {
+        name: value
+        for name, value in given.items()
+        if not (value is None and name in _GROUPS)
+    }
+    if config is None:
+        return KFACConfig(**given)
+    check_instance('config', config, KFACConfig, 'None or a kfac.KFACConfig')
+    defaults = inspect.signature(KFACPreconditioner).parameters
+    for name, value in given.items():
+        if value is not defaults[name].default and value != (
+            defaults[name].default
+        ):
+            raise ValueError(
+                f'{name}={value!r} beside config: set it in the '
+                'KFACConfig or as a keyword, not both',
+            )
+    assert isinstance(config, KFACConfig)  # checked above
+    return config
+
+
+_GROUPS = ('statistics', 'fisher', 'sharding')
+"""The keywords of option groups (None: the group's defaults)."""

@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from kfac.config import StatisticsConfig
 from kfac.layers.attention import convert_attention
 from kfac.preconditioner import KFACPreconditioner
 from testing.oracle import lm_loss
@@ -94,11 +95,11 @@ def build(
     """The preconditioner (with `config`) and optimizer of the oracles."""
     precon = KFACPreconditioner(
         model,
-        loss_average='batch+sequence',
         inv_update_steps=2,
         damping=0.01,
         kl_clip=0.01,
         **{'factor_update_steps': 1, **config},
+        statistics=StatisticsConfig(loss_average='batch+sequence'),
     )
     return precon, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
 

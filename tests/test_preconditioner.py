@@ -17,6 +17,9 @@ from torch import nn
 from kfac.base_preconditioner import BaseKFACPreconditioner
 from kfac.config import EngineOptions
 from kfac.hyperparams import ORIGINAL_DEFAULTS
+from kfac.layers.curvature import EigenConfig
+from kfac.layers.curvature import EKFACConfig
+from kfac.layers.curvature import InverseConfig
 from kfac.preconditioner import KFACPreconditioner
 from testing.asserts import assert_rel_close
 from testing.asserts import relative_error
@@ -480,14 +483,17 @@ def test_output_without_grad_captures_only_inputs() -> None:
 
 
 def test_factor_rank_no_shorter_than_the_factors_is_plain_eigen() -> None:
-    """`factor_rank` at the longest side builds EIGEN's layers: the same
-    parameters, bit for bit; one less keeps that factor at low rank.
+    """`factor_rank` at the longest side keeps every factor whole: the
+    same parameters as without it, bit for bit; one less keeps that factor
+    at low rank.
     """
     results = []
     for rank in (None, 49, 48):
         torch.manual_seed(0)
         model = TinyCNN().double()
-        precon = KFACPreconditioner(model, factor_rank=rank, lr=0.1)
+        precon = KFACPreconditioner(
+            model, lr=0.1, compute_method=InverseConfig(factor_rank=rank)
+        )
         for step in range(3):
             x, y = classification_data(6, (2, 8, 8), seed=step)
             model.zero_grad()
@@ -500,21 +506,32 @@ def test_factor_rank_no_shorter_than_the_factors_is_plain_eigen() -> None:
 
 
 @pytest.mark.parametrize(
-    ('kwargs', 'error', 'match'),
+    ('build', 'error', 'match'),
     [
-        ({'factor_rank': 0}, ValueError, 'factor_rank'),
-        ({'factor_rank': 2.5}, TypeError, 'factor_rank'),
-        ({'damping_mode': 'scaled'}, ValueError, 'damping_mode'),
+        (lambda: InverseConfig(factor_rank=0), ValueError, 'factor_rank'),
+        (lambda: EigenConfig(factor_rank=2.5), TypeError, 'factor_rank'),
         (
-            {'damping_mode': 'relative', 'compute_method': 'ekfac'},
+            lambda: InverseConfig(damping_mode='scaled'),
             ValueError,
-            "needs compute_method='eigen' or 'inverse'",
+            'damping_mode',
         ),
-        ({'module_options': {'fc': {'factor_rank': 0}}}, ValueError, 'fc'),
+        # EKFAC adds λ to its scaling as given: no such option to write
+        (
+            lambda: EKFACConfig(damping_mode='relative'),
+            TypeError,
+            'damping_mode',
+        ),
+        (
+            lambda: KFACPreconditioner(
+                TinyCNN(), module_options={'fc': {'factor_rank': 0}}
+            ),
+            ValueError,
+            "module_options\\['fc'\\] has unknown options \\['factor_rank'\\]",
+        ),
     ],
 )
 def test_cost_options_are_validated(
-    kwargs: dict[str, Any], error: type[Exception], match: str
+    build: Any, error: type[Exception], match: str
 ) -> None:
     with pytest.raises(error, match=match):
-        KFACPreconditioner(TinyCNN(), **kwargs)
+        build()

@@ -11,6 +11,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kfac.config import StatisticsConfig
+from kfac.layers.curvature import EigenConfig
+from kfac.layers.curvature import EKFACConfig
+from kfac.layers.curvature import InverseConfig
 from kfac.preconditioner import KFACPreconditioner
 from kfac.state import STATE_VERSION
 from kfac.state import LayerSpec
@@ -51,22 +55,21 @@ KWARGS = [
     # a decomposition at step 3 without a factor update restarts S
     {'compute_method': 'ekfac'},
     {
-        'compute_method': 'ekfac',
-        'compute_eigenvalue_outer_product': False,
-        'basis_refresh': 'qr',
+        'compute_method': EKFACConfig(
+            prediv_eigenvalues=False, basis_refresh='qr'
+        ),
     },
-    {'compute_method': 'eigen', 'basis_refresh': 'qr'},
+    {'compute_method': EigenConfig(basis_refresh='qr')},
 ]
 COST_KWARGS = [
     # the low-rank form (warm-started from a loaded (n, k) basis at step
     # 6) and relative damping, resumed between decompositions only
     {
-        'compute_method': 'eigen',
-        'factor_rank': 8,
-        'basis_refresh': 'qr',
-        'damping_mode': 'relative',
+        'compute_method': EigenConfig(
+            factor_rank=8, basis_refresh='qr', damping_mode='relative'
+        ),
     },
-    {'compute_method': 'inverse', 'factor_rank': 8},
+    {'compute_method': InverseConfig(factor_rank=8)},
 ]
 
 
@@ -446,10 +449,14 @@ def test_resume_with_sampled_positions_restores_the_seed() -> None:
     the saved run's positions: bit-identical parameters.
     """
     torch.manual_seed(0)
-    options: dict[str, Any] = dict(position_sample=0.5, factor_decay=0.8)
+    options: dict[str, Any] = dict(factor_decay=0.8)
+
+    def sampled(seed: int = 0) -> StatisticsConfig:
+        return StatisticsConfig(position_sample=0.5, position_sample_seed=seed)
+
     model = TinyCNN()
     resumed_model = copy.deepcopy(model)
-    precon = KFACPreconditioner(model, position_sample_seed=9, **options)
+    precon = KFACPreconditioner(model, **options, statistics=sampled(9))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
     run_steps(model, precon, optimizer, range(2))
     checkpoint = roundtrip(
@@ -457,7 +464,9 @@ def test_resume_with_sampled_positions_restores_the_seed() -> None:
     )
     assert checkpoint['kfac']['options']['position_sample_seed'] == 9
     run_steps(model, precon, optimizer, range(2, 5))
-    precon2 = KFACPreconditioner(resumed_model, **options)
+    precon2 = KFACPreconditioner(
+        resumed_model, **options, statistics=sampled()
+    )
     resumed_model.load_state_dict(checkpoint['model'])
     precon2.load_state_dict(checkpoint['kfac'])
     assert precon2.options.position_sample_seed == 9
@@ -468,7 +477,7 @@ def test_resume_with_sampled_positions_restores_the_seed() -> None:
     # and the seed matters: a run with another one ends elsewhere
     torch.manual_seed(0)
     other_model = TinyCNN()
-    other = KFACPreconditioner(other_model, position_sample_seed=1, **options)
+    other = KFACPreconditioner(other_model, **options, statistics=sampled(1))
     optimizer3 = torch.optim.SGD(other_model.parameters(), lr=0.05)
     run_steps(other_model, other, optimizer3, range(5))
     assert not torch.equal(flat(other_model), flat(model))
@@ -483,7 +492,7 @@ def test_a_version_3_state_keeps_the_loading_seed() -> None:
     state = dict(precon.state_dict())
     state['options'] = {'kl_clip_rule': 'kl'}
     state['version'] = 3
-    _, seeded = trained(position_sample_seed=4)
+    _, seeded = trained(statistics=StatisticsConfig(position_sample_seed=4))
     seeded.load_state_dict(state)
     assert seeded.options.position_sample_seed == 4
 

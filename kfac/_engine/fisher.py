@@ -27,12 +27,12 @@ from kfac._engine.capture import Capture
 from kfac.distributed import get_rank
 from kfac.distributed import get_world_size
 from kfac.distributed._sharding import is_sharded
+from kfac.enums import MCLoss
+from kfac.enums import parse_enum
 from kfac.layers.helper import ModuleHelper
-from kfac.math.fisher import MC_LOSSES
 from kfac.math.fisher import FisherState
 from kfac.math.fisher import mc_loss
 from kfac.math.fisher import uniforms
-from kfac.validation import check_choice
 from kfac.validation import check_instance
 
 __all__ = ['FisherSampler']
@@ -67,7 +67,7 @@ class FisherSampler:
         loss_average: str | None,
     ) -> None:
         self._capture = capture
-        self.fisher_type = fisher_type
+        self.fisher_type = str(fisher_type)  # a plain str in the state
         self._weights = capture.weights()
         sharded = any(is_sharded(weight) for weight in self._weights)
         if fisher_type == 'mc' and sharded:
@@ -111,7 +111,7 @@ class FisherSampler:
         `KFACPreconditioner.sample_fisher`, which calls this.
         """
         check_instance('output', output, torch.Tensor, 'a torch.Tensor')
-        check_choice('loss', loss, MC_LOSSES)
+        loss = parse_enum(MCLoss, loss, 'loss')
         if self.fisher_type != 'mc' or not self._capture.capturing:
             return
         least = 2 if loss == 'cross_entropy' else 1

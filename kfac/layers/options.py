@@ -1,12 +1,13 @@
 """Per-module options: one model-wide value, overrides by name or type.
 
 Every per-module option (`batch_first`, `kfac_approx`, `max_factor_dim`,
-`factor_rank`, `position_sample`) has a model-wide value,
-a keyword argument of the preconditioner. `module_options` overrides it for the
-modules it selects: `{pattern: {option: value}}`, where a pattern is a regular
-expression searched (`re.search`) in a module's dotted name and in its class
-name, as `skip_layers` patterns are. Options are resolved once, at
-registration, in this order (the first that applies wins):
+`position_sample`, `compute_method`) has a model-wide value (the
+preconditioner's `statistics=` group, and its `compute_method`).
+`module_options` overrides it for the modules it selects:
+`{pattern: {option: value}}`, where a pattern is a regular expression
+searched (`re.search`) in a module's dotted name and in its class name,
+as `skip_layers` patterns are. Options are resolved once, at registration,
+in this order (the first that applies wins):
 
 1. the last `module_options` pattern that selects the module and sets the
    option;
@@ -29,14 +30,13 @@ from typing import Any
 
 from torch import nn
 
+from kfac.enums import KFACApprox
+from kfac.enums import parse_enum
+from kfac.layers.curvature.base import CurvatureConfig
 from kfac.layers.sampling import check_position_sample
 from kfac.validation import check_bool
-from kfac.validation import check_choice
 from kfac.validation import type_error
 from kfac.validation import validate_int
-
-KFAC_APPROXIMATIONS = ('expand', 'reduce')
-"""Allowed values of `kfac_approx`."""
 
 DEFAULT_MAX_FACTOR_DIM = 8192
 """Default `max_factor_dim`: every factor of ResNet-50 (largest side 4608)
@@ -60,7 +60,7 @@ class ModuleOptions:
     `nn.Transformer*` by default). The number of examples `N` is read from
     the layout. A 2-D input is `(N, features)` either way."""
 
-    kfac_approx: str = 'expand'
+    kfac_approx: KFACApprox | str = KFACApprox.EXPAND
     """How weight-sharing positions (sequence positions of a Linear,
     output positions of a convolution) enter the factors: `'expand'`
     treats each position as a further example, `'reduce'` averages the
@@ -73,11 +73,6 @@ class ModuleOptions:
     (see [`kfac.layers.blocks`][kfac.layers.blocks]). None: no limit. A
     diagonal factor (an embedding's `A`) is never split."""
 
-    factor_rank: int | None = None
-    """Keep a dense factor longer than this as its `factor_rank` largest
-    eigenpairs plus the mean of the rest of its spectrum (see
-    [`kfac.math.lowrank`][kfac.math.lowrank]); None: every factor whole.
-    EIGEN and INVERSE only; not for an embedding or a tied weight."""
     position_sample: int | float | None = None
     """Form `A` and `G` from a sample of each example's weight-sharing
     positions: an int `k` (that many positions, all if fewer) or a float
@@ -86,14 +81,26 @@ class ModuleOptions:
     under `kfac_approx='expand'` only (see
     [`kfac.layers.sampling`][kfac.layers.sampling])."""
 
+    compute_method: CurvatureConfig | None = None
+    """This module's method with its options (for instance
+    `EigenConfig(factor_rank=32)` for a wide layer); None: the model-wide
+    `compute_method`."""
+
     def __post_init__(self) -> None:
         check_bool('batch_first', self.batch_first)
-        check_choice('kfac_approx', self.kfac_approx, KFAC_APPROXIMATIONS)
+        approx = parse_enum(KFACApprox, self.kfac_approx, 'kfac_approx')
+        object.__setattr__(self, 'kfac_approx', approx)
         if self.max_factor_dim is not None:
             validate_int('max_factor_dim', self.max_factor_dim)
-        if self.factor_rank is not None:
-            validate_int('factor_rank', self.factor_rank)
         check_position_sample(self.position_sample)
+        if self.compute_method is not None and not isinstance(
+            self.compute_method, CurvatureConfig
+        ):
+            raise type_error(
+                'compute_method',
+                self.compute_method,
+                'None or a CurvatureConfig (e.g. kfac.EigenConfig(...))',
+            )
 
 
 OPTION_NAMES = tuple(f.name for f in dataclasses.fields(ModuleOptions))
@@ -208,7 +215,9 @@ def resolve_options(
         `'inherited from <ancestor>'` or `'module_options[<pattern>]'`.
     """
     module = modules[name]
-    values = dataclasses.asdict(defaults)
+    values = {
+        f.name: getattr(defaults, f.name) for f in dataclasses.fields(defaults)
+    }
     sources = dict.fromkeys(values, 'model')
     inherited = _inherited_layout(modules, name)
     if inherited is not None:

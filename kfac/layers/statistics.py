@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import torch
 
+from kfac.enums import LossAverage
+from kfac.enums import parse_enum
 from kfac.layers.examples import Call
 from kfac.layers.examples import ExampleRows
 from kfac.layers.factor import Captured
@@ -27,29 +29,20 @@ from kfac.math import compute_dtype
 from kfac.validation import check_dtype
 from kfac.validation import check_instance
 
-LOSS_AVERAGES = (None, 'batch', 'batch+sequence')
-"""Allowed values of `loss_average`: how the loss averages its terms."""
 
-
-def check_loss_average(loss_average: object) -> str | None:
-    """Return `loss_average` if allowed.
+def check_loss_average(loss_average: object) -> LossAverage | None:
+    """`loss_average` as a [`LossAverage`][kfac.enums.LossAverage], or
+    None (a summed loss).
 
     Raises:
-        TypeError: neither a string nor None.
-        ValueError: a string outside
-            [`LOSS_AVERAGES`][kfac.layers.statistics.LOSS_AVERAGES].
+        TypeError: neither a string, a `LossAverage` nor None.
+        ValueError: a string naming no `LossAverage`.
     """
-    if loss_average is not None and not isinstance(loss_average, str):
-        raise TypeError(
-            f'loss_average must be one of {LOSS_AVERAGES}; got '
-            f'{loss_average!r} of type {type(loss_average).__name__}',
-        )
-    if loss_average not in LOSS_AVERAGES:
-        raise ValueError(
-            f'loss_average must be one of {LOSS_AVERAGES}; got '
-            f'{loss_average!r}',
-        )
-    return loss_average
+    if loss_average is None:
+        return None
+    return parse_enum(
+        LossAverage, loss_average, 'loss_average (None: a summed loss)'
+    )
 
 
 class LayerStatistics:

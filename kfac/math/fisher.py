@@ -43,21 +43,12 @@ import torch
 import torch.nn.functional as F
 
 __all__ = [
-    'FISHER_TYPES',
-    'MC_LOSSES',
     'gaussian_noise',
     'mc_loss',
     'sample_classes',
     'splitmix64',
     'uniforms',
 ]
-
-FISHER_TYPES = ('empirical', 'mc')
-"""Where `G`'s output gradients come from: the training loss at the
-labels, or the loss at targets sampled from the model."""
-
-MC_LOSSES = ('cross_entropy', 'mse')
-"""The losses whose distribution the Monte Carlo Fisher samples."""
 
 _MASK64 = (1 << 64) - 1
 
@@ -201,7 +192,7 @@ def parse_fisher(state: object) -> FisherState | None:
         return None
     if not (
         isinstance(entry, Mapping)
-        and entry.get('fisher_type') in FISHER_TYPES
+        and entry.get('fisher_type') in ('empirical', 'mc')
         and all(
             type(entry.get(key)) is int and entry[key] >= low
             for key, low in (('mc_samples', 1), ('mc_seed', 0))
@@ -209,7 +200,8 @@ def parse_fisher(state: object) -> FisherState | None:
     ):
         raise ValueError(
             "state_dict entry 'fisher' must be {'fisher_type': one of "
-            f"{FISHER_TYPES}, 'mc_samples': int >= 1, 'mc_seed': int >= 0}}; "
+            "('empirical', 'mc'), 'mc_samples': int >= 1, "
+            f"'mc_seed': int >= 0}}; "
             f'got {entry!r}',
         )
     return {

@@ -69,7 +69,6 @@ from __future__ import annotations
 import torch
 
 __all__ = [
-    'DAMPING_MODES',
     'lowrank_damped_inverse',
     'lowrank_eigen_precondition',
     'lowrank_inverse_precondition',
@@ -78,9 +77,6 @@ __all__ = [
     'relative_damping',
     'top_eigenpairs',
 ]
-
-DAMPING_MODES = ('absolute', 'relative')
-"""Allowed values of `damping_mode`."""
 
 
 def top_eigenpairs(

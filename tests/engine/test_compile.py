@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch._dynamo.testing import CompileCounter
 
+from kfac.config import StatisticsConfig
 from kfac.preconditioner import KFACPreconditioner
 from testing.models import AttentionNet
 from testing.models import TinyCNN
@@ -408,7 +409,9 @@ def test_compiled_arithmetic_equals_eager() -> None:
     _train(model, eager, batches)
     for twin, net in zip(twins, (twins[0], _compile(twins[1]))):
         fused = KFACPreconditioner(
-            net, factor_decay=0.5, compile_arithmetic=True
+            net,
+            factor_decay=0.5,
+            statistics=StatisticsConfig(compile_arithmetic=True),
         )
         assert fused.options.compile_arithmetic
         _train(net, fused, batches)

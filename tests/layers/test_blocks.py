@@ -22,6 +22,7 @@ from torch import nn
 from kfac._engine.report import format_report
 from kfac.assignment import KAISAAssignment
 from kfac.assignment import decomposition_work
+from kfac.config import StatisticsConfig
 from kfac.layers.blocks import BlockHelper
 from kfac.layers.blocks import split
 from kfac.layers.embedding import EmbeddingModuleHelper
@@ -92,8 +93,8 @@ def _preconditioned(
         model,
         relative_clip=None,
         damping=0.01,
-        max_factor_dim=LIMIT,
         **options,
+        statistics=StatisticsConfig(max_factor_dim=LIMIT),
     )
     out = model(x)
     target = torch.randn(out.shape, dtype=F64, generator=_gen())
@@ -163,7 +164,9 @@ def test_inverse_tiles_are_independent_k_fac_blocks() -> None:
 def test_tile_factors_are_the_blocks_of_the_whole_factors() -> None:
     layer, x, _, gout = _reference_inputs(2)
     model = nn.Sequential(layer)
-    precon = KFACPreconditioner(model, max_factor_dim=LIMIT)
+    precon = KFACPreconditioner(
+        model, statistics=StatisticsConfig(max_factor_dim=LIMIT)
+    )
     loss = (
         F.mse_loss(
             model(x),
@@ -199,8 +202,8 @@ def test_embedding_and_convolution_tiles_precondition_their_blocks() -> None:
         emb,
         relative_clip=None,
         damping=0.1,
-        max_factor_dim=4,
         compute_method='eigen',
+        statistics=StatisticsConfig(max_factor_dim=4),
     )
     assert len(precon.layers) == 3  # G: 9 -> 3 + 3 + 3; A diagonal
     out = emb(idx)
@@ -224,8 +227,8 @@ def test_embedding_and_convolution_tiles_precondition_their_blocks() -> None:
         conv,
         relative_clip=None,
         damping=0.1,
-        max_factor_dim=5,
         compute_method='eigen',
+        statistics=StatisticsConfig(max_factor_dim=5),
     )
     assert len(precon.layers) == 2  # A: 3*3 + 1 = 10 -> 5 + 5
     out = conv(x)
@@ -292,7 +295,7 @@ def test_max_factor_dim_is_validated(
     value: object, error: type[Exception], match: str
 ) -> None:
     with pytest.raises(error, match=match):
-        KFACPreconditioner(nn.Linear(2, 2), max_factor_dim=value)  # type: ignore[arg-type]  # wrong on purpose (some values)
+        StatisticsConfig(max_factor_dim=value)  # type: ignore[arg-type]  # wrong on purpose (some values)
     with pytest.raises(error, match=match):
         register_model(
             nn.Linear(2, 2), module_options={'': {'max_factor_dim': value}}
@@ -301,7 +304,9 @@ def test_max_factor_dim_is_validated(
 
 def test_report_shows_each_tile() -> None:
     model = nn.Sequential(nn.Linear(3, 6, bias=False), nn.Linear(5, 2))
-    precon = KFACPreconditioner(model, max_factor_dim=3)
+    precon = KFACPreconditioner(
+        model, statistics=StatisticsConfig(max_factor_dim=3)
+    )
     report = precon.describe()
     entries = {e['name']: e for e in report['preconditioned']}
     assert list(entries) == ['0.block0', '0.block1', '1.block0', '1.block1']
@@ -328,7 +333,9 @@ def test_tiles_spread_decomposition_work_over_ranks() -> None:
     MEM-OPT (one gradient worker per layer) every rank gets some.
     """
     model = nn.Sequential(nn.Linear(4, 8, bias=False), nn.Linear(8, 2))
-    precon = KFACPreconditioner(model, max_factor_dim=2)
+    precon = KFACPreconditioner(
+        model, statistics=StatisticsConfig(max_factor_dim=2)
+    )
     work = decomposition_work(precon.layers, 'compute')
     tiles = [n for n in work if n.startswith('0.')]
     assert len(tiles) == 8  # G 8 -> 4 blocks, A 4 -> 2 blocks
@@ -370,13 +377,19 @@ def test_blocked_state_round_trips() -> None:
             precon.step()
 
     precon = KFACPreconditioner(
-        layers[0], max_factor_dim=3, inv_update_steps=2
+        layers[0],
+        inv_update_steps=2,
+        statistics=StatisticsConfig(max_factor_dim=3),
     )
     run(layers[0], precon, range(3))
     state = precon.state_dict()
     assert set(state['layers']) == {f'block{k}' for k in range(6)}
     assert state['layers']['block5']['G'].shape == (2, 2)
-    other = KFACPreconditioner(layers[1], max_factor_dim=3, inv_update_steps=2)
+    other = KFACPreconditioner(
+        layers[1],
+        inv_update_steps=2,
+        statistics=StatisticsConfig(max_factor_dim=3),
+    )
     other.load_state_dict(state)
     assert other.steps == 3
     for name, kfac_layer in precon.layers.items():
@@ -392,7 +405,7 @@ def test_blocked_state_round_trips() -> None:
         assert torch.equal(grads[0], grads[1])
     with pytest.raises(ValueError, match='unexpected layers: block0, '):
         KFACPreconditioner(
-            nn.Linear(5, 7), max_factor_dim=None
+            nn.Linear(5, 7), statistics=StatisticsConfig(max_factor_dim=None)
         ).load_state_dict(state)
 
 

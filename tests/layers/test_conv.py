@@ -10,6 +10,7 @@ import pytest
 import torch
 from torch import nn
 
+from kfac.config import StatisticsConfig
 from kfac.layers.conv import ConvGroupHelper
 from kfac.layers.conv import ConvModuleHelper
 from kfac.layers.modules import Conv2dModuleHelper
@@ -93,9 +94,15 @@ def test_conv1d_preconditions_like_a_conv2d_of_height_one(
     one = one.double()
     two = nn.Sequential(conv2, nn.Tanh(), nn.Flatten(), nn.Linear(16, 2))
     two[3] = copy.deepcopy(one[3])
-    first = KFACPreconditioner(one, relative_clip=None, kfac_approx=approx)
+    first = KFACPreconditioner(
+        one,
+        relative_clip=None,
+        statistics=StatisticsConfig(kfac_approx=approx),
+    )
     second = KFACPreconditioner(
-        two.double(), relative_clip=None, kfac_approx=approx
+        two.double(),
+        relative_clip=None,
+        statistics=StatisticsConfig(kfac_approx=approx),
     )
     for step in range(2):  # a running average and a second decomposition
         x = torch.randn(

@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from kfac.config import KFACConfig
+from kfac.config import StatisticsConfig
 from kfac.enums import AssignmentStrategy
 from kfac.layers.base import KFACBaseLayer
 from kfac.layers.curvature import Curvature
@@ -21,9 +22,9 @@ from kfac.layers.curvature import EigenConfig
 from kfac.layers.curvature import InverseConfig
 from kfac.layers.curvature.base import Layout
 from kfac.layers.embedding import EmbeddingModuleHelper
-from kfac.layers.factory import make_layer
 from kfac.layers.modules import LinearModuleHelper
 from kfac.layers.options import ModuleOptions
+from kfac.preconditioner import KFACPreconditioner
 from testing.models import TinyMLP
 
 
@@ -94,17 +95,6 @@ def test_layer_refuses_what_is_not_a_curvature_config() -> None:
     )
 
 
-def test_factor_rank_needs_a_method_with_a_low_rank_form() -> None:
-    helper = LinearModuleHelper(nn.Linear(4, 3))
-    with pytest.raises(ValueError, match="'identity' has no low-rank form"):
-        make_layer(
-            'm',
-            helper,
-            ModuleOptions(factor_rank=2),
-            method=IdentityConfig(),
-        )
-
-
 def test_config_takes_a_method_object() -> None:
     config = KFACConfig(compute_method=IdentityConfig())
     assert config.curvature() == IdentityConfig()
@@ -120,12 +110,11 @@ def test_config_takes_a_method_object() -> None:
     ('options', 'match'),
     [
         (
-            {'compute_method': InverseConfig(), 'damping_mode': 'relative'},
-            "damping_mode='relative' beside compute_method=InverseConfig",
-        ),
-        (
-            {'compute_method': EigenConfig(), 'basis_refresh': 'qr'},
-            "basis_refresh='qr' beside compute_method=EigenConfig",
+            {
+                'compute_method': EigenConfig(),
+                'compute_eigenvalue_outer_product': False,
+            },
+            'compute_eigenvalue_outer_product=False beside compute_method=',
         ),
         (
             {'compute_method': EigenConfig(), 'colocate_factors': False},
@@ -133,7 +122,7 @@ def test_config_takes_a_method_object() -> None:
         ),
     ],
 )
-def test_config_refuses_flat_options_beside_a_method_object(
+def test_config_refuses_what_contradicts_the_method_object(
     options: dict[str, object], match: str
 ) -> None:
     with pytest.raises(ValueError, match=match):
@@ -142,3 +131,36 @@ def test_config_refuses_flat_options_beside_a_method_object(
     assert not KFACConfig(
         compute_method=prediv_off, colocate_factors=False
     ).colocate_factors
+
+
+def test_a_module_takes_its_own_method() -> None:
+    """`module_options` carries a method object per module; the report
+    names its source.
+    """
+    model = TinyMLP().double()
+    precon = KFACPreconditioner(
+        model,
+        compute_method=EigenConfig(factor_rank=2),
+        module_options={'fc2': {'compute_method': InverseConfig()}},
+    )
+    assert precon.layers['fc1'].decomposition_format == 'eigen_lowrank'
+    assert precon.layers['fc2'].decomposition_format == 'inverse'
+    report = {e['name']: e for e in precon.describe()['preconditioned']}
+    source = report['fc2']['options']['compute_method']['source']
+    assert source == "module_options['fc2']"
+
+
+def test_whole_config_or_keywords_not_both() -> None:
+    config = KFACConfig(compute_method='eigen')
+    precon = KFACPreconditioner(TinyMLP(), config=config, damping=0.1)
+    assert precon.config is config and precon.damping == 0.1
+    with pytest.raises(ValueError, match='colocate_factors=False beside'):
+        KFACPreconditioner(TinyMLP(), config=config, colocate_factors=False)
+    with pytest.raises(ValueError, match='statistics=StatisticsConfig'):
+        KFACPreconditioner(
+            TinyMLP(), config=config, statistics=StatisticsConfig()
+        )
+    with pytest.raises(TypeError, match='config must be None or a'):
+        KFACPreconditioner(TinyMLP(), config={'compute_method': 'eigen'})  # type: ignore[arg-type]  # wrong on purpose
+    with pytest.raises(TypeError, match='statistics must be a'):
+        KFACConfig(statistics={'batch_first': False})  # type: ignore[arg-type]  # wrong on purpose

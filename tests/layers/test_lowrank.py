@@ -11,14 +11,12 @@ from torch import nn
 from kfac.layers.base import KFACBaseLayer
 from kfac.layers.curvature import CurvatureConfig
 from kfac.layers.curvature import EigenConfig
-from kfac.layers.curvature import EKFACConfig
 from kfac.layers.curvature import InverseConfig
 from kfac.layers.eigen import KFACEigenLayer
 from kfac.layers.embedding import EmbeddingModuleHelper
 from kfac.layers.factory import make_layer
 from kfac.layers.inverse import KFACInverseLayer
 from kfac.layers.modules import LinearModuleHelper
-from kfac.layers.options import ModuleOptions
 from testing.asserts import assert_rel_close
 from testing.reference import eigen_reference
 from testing.reference import inverse_reference
@@ -113,19 +111,18 @@ def test_layers_refuse_bad_ranks_and_modes() -> None:
     helper = LinearModuleHelper(nn.Linear(4, 3))
     with pytest.raises(ValueError, match='factor_rank'):
         KFACEigenLayer(helper, factor_rank=0)
-    with pytest.raises(ValueError, match='damping_mode must be one of'):
+    with pytest.raises(ValueError, match="damping_mode='scaled' is not a"):
         KFACEigenLayer(helper, damping_mode='scaled')
     embedding = EmbeddingModuleHelper(nn.Embedding(10, 4))
     with pytest.raises(ValueError, match='A of an embedding is diagonal'):
         KFACInverseLayer(embedding, factor_rank=2)
 
 
-def build(helper: object, rank: int | None, method: CurvatureConfig) -> str:
+def build(helper: object, method: CurvatureConfig) -> str:
     """The decomposition format of the layer the factory builds."""
     layer = make_layer(
         'm',
         helper,  # type: ignore[arg-type]  # a helper
-        ModuleOptions(factor_rank=rank),
         method=method,
     )
     assert type(layer) is KFACBaseLayer
@@ -134,13 +131,12 @@ def build(helper: object, rank: int | None, method: CurvatureConfig) -> str:
 
 def test_factory_gives_the_method_the_rank() -> None:
     helper = LinearModuleHelper(nn.Linear(4, 3))
-    assert build(helper, 5, EigenConfig()) == 'eigen_outer'  # none longer
-    assert build(helper, 4, EigenConfig()) == 'eigen_lowrank'
-    assert build(helper, 2, InverseConfig()) == 'inverse_lowrank'
-    assert build(helper, None, InverseConfig()) == 'inverse'
-    with pytest.raises(ValueError, match='EKFAC re-estimates'):
-        build(helper, 2, EKFACConfig())
+    eigen, inverse = EigenConfig, InverseConfig
+    assert build(helper, eigen(factor_rank=5)) == 'eigen_outer'  # none longer
+    assert build(helper, eigen(factor_rank=4)) == 'eigen_lowrank'
+    assert build(helper, inverse(factor_rank=2)) == 'inverse_lowrank'
+    assert build(helper, inverse()) == 'inverse'
     embedding = EmbeddingModuleHelper(nn.Embedding(10, 4))
-    assert build(embedding, 4, EigenConfig()) == 'eigen_outer'
-    with pytest.raises(ValueError, match='the A of an embedding is diagonal'):
-        build(embedding, 3, EigenConfig())
+    assert build(embedding, eigen(factor_rank=4)) == 'eigen_outer'
+    with pytest.raises(ValueError, match="module 'm': factor_rank=3"):
+        build(embedding, eigen(factor_rank=3))

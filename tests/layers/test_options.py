@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kfac.config import StatisticsConfig
 from kfac.layers.options import ModuleOptions
 from kfac.layers.options import check_module_options
 from kfac.layers.options import resolve_options
@@ -27,7 +28,16 @@ F64 = torch.float64
         ({'fc': 3}, TypeError, r"module_options\['fc'\] must be a mapping"),
         ({'fc': {'colour': 1}}, ValueError, r"unknown options \['colour'\]"),
         ({'fc': {'batch_first': 1}}, TypeError, 'batch_first must be a bool'),
-        ({'fc': {'kfac_approx': 'x'}}, ValueError, 'kfac_approx must be one'),
+        (
+            {'fc': {'kfac_approx': 'x'}},
+            ValueError,
+            "kfac_approx='x' is not a KFACApprox",
+        ),
+        (
+            {'fc': {'compute_method': 'eigen'}},
+            TypeError,
+            'compute_method must be None or a CurvatureConfig',
+        ),
     ],
 )
 def test_module_options_are_validated(
@@ -66,7 +76,7 @@ def test_resolution_order_and_sources() -> None:
             'batch_first': 'inherited from enc',
             'kfac_approx': 'model',
             'max_factor_dim': 'model',
-            'factor_rank': 'model',
+            'compute_method': 'model',
             'position_sample': 'model',
         },
     )
@@ -76,7 +86,7 @@ def test_resolution_order_and_sources() -> None:
             'batch_first': "module_options['head|tail']",
             'kfac_approx': 'model',
             'max_factor_dim': 'model',
-            'factor_rank': 'model',
+            'compute_method': 'model',
             'position_sample': 'model',
         },
     )
@@ -85,7 +95,7 @@ def test_resolution_order_and_sources() -> None:
         'batch_first': 'model',
         'kfac_approx': 'model',
         'max_factor_dim': 'model',
-        'factor_rank': 'model',
+        'compute_method': 'model',
         'position_sample': 'model',
     }
 
@@ -95,7 +105,8 @@ def _preconditioned_grads(
 ) -> dict[str, torch.Tensor]:
     precon = KFACPreconditioner(model, relative_clip=None, **kwargs)
     out = model(x)
-    if not kwargs.get('batch_first', True):
+    statistics = kwargs.get('statistics', StatisticsConfig())
+    if not statistics.batch_first:
         out = out.transpose(0, 1)  # (T, N, c) -> (N, T, c)
     F.cross_entropy(out.reshape(-1, out.shape[-1]), y.reshape(-1)).backward()
     precon.step()
@@ -115,7 +126,10 @@ def test_sequence_first_input_preconditions_like_batch_first() -> None:
     y = torch.randint(0, 3, (2, 7))
     first = _preconditioned_grads(model, x, y)
     second = _preconditioned_grads(
-        twin, x.transpose(0, 1), y, batch_first=False
+        twin,
+        x.transpose(0, 1),
+        y,
+        statistics=StatisticsConfig(batch_first=False),
     )
     for name, grad in first.items():
         torch.testing.assert_close(second[name], grad, rtol=1e-12, atol=0)

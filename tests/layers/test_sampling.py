@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kfac.config import StatisticsConfig
 from kfac.layers import conv as conv_module
 from kfac.layers.modules import LinearModuleHelper
 from kfac.layers.sampling import MODULUS
@@ -88,7 +89,8 @@ def factors(option: object, **kwargs: object) -> dict[str, torch.Tensor]:
     """The factors after one step of `SeqNet` on a fixed batch."""
     torch.manual_seed(0)
     model = SeqNet().to(DT)
-    precon = KFACPreconditioner(model, position_sample=option, **kwargs)  # type: ignore[arg-type]  # options under test
+    statistics = StatisticsConfig(position_sample=option)  # type: ignore[arg-type]  # options under test
+    precon = KFACPreconditioner(model, statistics=statistics, **kwargs)  # type: ignore[arg-type]  # options under test
     x = torch.randn(6, 2, 4, 4, dtype=DT)
     model(x).pow(2).mean().backward()
     precon.step()
@@ -215,7 +217,7 @@ def test_bad_position_sample(value: object, error: type[Exception]) -> None:
     with pytest.raises(error, match='position_sample'):
         check_position_sample(value)
     with pytest.raises(error, match='position_sample'):
-        KFACPreconditioner(SeqNet(), position_sample=value)  # type: ignore[arg-type]  # wrong on purpose
+        StatisticsConfig(position_sample=value)  # type: ignore[arg-type]  # wrong on purpose
     with pytest.raises(error, match='position_sample'):
         KFACPreconditioner(
             SeqNet(), module_options={'lin': {'position_sample': value}}
@@ -230,7 +232,7 @@ def test_bad_seed(value: object, error: type[Exception]) -> None:
     with pytest.raises(error, match='position_sample_seed'):
         check_seed(value)
     with pytest.raises(error, match='position_sample_seed'):
-        KFACPreconditioner(SeqNet(), position_sample_seed=value)  # type: ignore[arg-type]  # wrong on purpose
+        StatisticsConfig(position_sample_seed=value)  # type: ignore[arg-type]  # wrong on purpose
 
 
 class EmbedNet(nn.Module):
@@ -248,8 +250,8 @@ class EmbedNet(nn.Module):
 def test_model_wide_value_leaves_what_cannot_sample_unsampled() -> None:
     precon = KFACPreconditioner(
         EmbedNet(),
-        position_sample=0.5,
         module_options={'red': {'kfac_approx': 'reduce'}},
+        statistics=StatisticsConfig(position_sample=0.5),
     )
     helpers = precon.registration.helpers
     assert helpers['emb'].sampler is None
@@ -283,7 +285,9 @@ def test_module_options_on_what_cannot_sample_is_refused(
 def test_a_sampled_step_trains(device: torch.device) -> None:
     torch.manual_seed(0)
     model = SeqNet().to(device)
-    precon = KFACPreconditioner(model, position_sample=0.5)
+    precon = KFACPreconditioner(
+        model, statistics=StatisticsConfig(position_sample=0.5)
+    )
     x = torch.randn(6, 2, 4, 4, device=device)
     F.mse_loss(model(x), torch.zeros(6, 3, 5, device=device)).backward()
     precon.step()

@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 import pytest
 import torch
 from torch import nn
 
+from kfac.config import StatisticsConfig
 from kfac.preconditioner import KFACPreconditioner
 from testing.asserts import assert_rel_close
 from testing.reference import layer_factors
@@ -25,12 +24,12 @@ def test_sequence_linear_factors_equal_their_definition(
     linear = nn.Linear(4, 3).double()
     n, t = 5, 6
     x = torch.randn(n, t, 4, dtype=F64)
-    options: dict[str, Any] = {
-        'kfac_approx': approx,
-        'loss_average': loss_average,
-        'batch_first': batch_first,
-    }
-    precon = KFACPreconditioner(linear, relative_clip=None, **options)
+    statistics = StatisticsConfig(
+        kfac_approx=approx, loss_average=loss_average, batch_first=batch_first
+    )
+    precon = KFACPreconditioner(
+        linear, relative_clip=None, statistics=statistics
+    )
     data = x if batch_first else x.transpose(0, 1)
     out = linear(data)
     out.retain_grad()
@@ -57,7 +56,9 @@ def test_reduce_is_expand_without_sharing() -> None:
     for approx in ('expand', 'reduce'):
         torch.manual_seed(1)
         linear = nn.Linear(4, 3).double()
-        precon = KFACPreconditioner(linear, kfac_approx=approx)
+        precon = KFACPreconditioner(
+            linear, statistics=StatisticsConfig(kfac_approx=approx)
+        )
         linear(x).tanh().mean().backward()
         precon.step()
         values.append([f.value for f in precon.layers[''].factors])

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kfac._engine.report import format_report
+from kfac.config import StatisticsConfig
 from kfac.layers.curvature import EigenCurvature
 from kfac.layers.register import register_model
 from kfac.layers.tied import TiedHelper
@@ -108,7 +109,7 @@ def _step(
         model,
         relative_clip=None,
         damping=0.01,
-        loss_average='batch+sequence',
+        statistics=StatisticsConfig(loss_average='batch+sequence'),
         **kwargs,  # type: ignore[arg-type]  # keyword options of the preconditioner
     )
     _loss(model(idx), y).backward()
@@ -221,7 +222,10 @@ def test_a_small_tied_language_model_trains() -> None:
     model = TiedLM(11)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.2)
     precon = KFACPreconditioner(
-        model, lr=0.2, damping=0.01, loss_average='batch+sequence'
+        model,
+        lr=0.2,
+        damping=0.01,
+        statistics=StatisticsConfig(loss_average='batch+sequence'),
     )
     pattern = torch.arange(11)
     idx = torch.stack([pattern.roll(s) for s in range(8)])

@@ -20,6 +20,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from kfac.config import ShardingConfig
+from kfac.config import StatisticsConfig
 from kfac.preconditioner import KFACPreconditioner
 from testing import fsdp
 from testing.asserts import WORST
@@ -37,12 +39,12 @@ def _lossless(part: tuple[int, int]) -> nn.Module:
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     precon = KFACPreconditioner(
         model,
-        loss_average='batch+sequence',
         inv_update_steps=2,
         damping=0.01,
         relative_clip=KAPPA,
         grad_worker_fraction='mem_opt',
         optimizer=optimizer,
+        statistics=StatisticsConfig(loss_average='batch+sequence'),
     )
     fsdp.run(model, precon, optimizer, range(fsdp.STEPS), part)
     assert precon.metrics()['kl_clip_scale'] < 1.0  # the clip was active
@@ -70,7 +72,7 @@ def _local_grads(kl_clip: float | None) -> tuple[list[torch.Tensor], ...]:
         model,
         damping=0.01,
         relative_clip=kl_clip,
-        shard_mode='local',
+        sharding=ShardingConfig(shard_mode='local'),
     )
     generator = torch.Generator().manual_seed(11)
     x = torch.randn(BATCH, 4, dtype=torch.float64, generator=generator)

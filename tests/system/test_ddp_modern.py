@@ -20,6 +20,7 @@ import pytest
 import torch
 from torch import nn
 
+from kfac.config import StatisticsConfig
 from kfac.preconditioner import KFACPreconditioner
 from testing import fsdp
 from testing import oracle
@@ -70,11 +71,11 @@ def _train(config: dict[str, Any], part: oracle.Part) -> torch.Tensor:
     wrapped = oracle.wrap(model)
     precon = KFACPreconditioner(
         wrapped,
-        loss_average='batch+sequence',
         inv_update_steps=2,
         damping=0.01,
         kl_clip=0.01,
         **{'factor_update_steps': 1, **config},
+        statistics=StatisticsConfig(loss_average='batch+sequence'),
     )
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     oracle.train_steps(

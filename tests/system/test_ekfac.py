@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kfac.config import StatisticsConfig
 from kfac.layers.base import KFACBaseLayer
 from kfac.layers.blocks import BlockHelper
 from kfac.layers.curvature.ekfac import EKFACCurvature
@@ -267,7 +268,10 @@ def test_sequence_first_embedding_and_linear() -> None:
     y = torch.randint(0, VOCAB, (N, T))
     grads = per_example_grads(model, token_loss, x, y)
     precon = KFACPreconditioner(
-        model, compute_method='ekfac', relative_clip=None, batch_first=False
+        model,
+        compute_method='ekfac',
+        relative_clip=None,
+        statistics=StatisticsConfig(batch_first=False),
     )
     token_loss(model(x.T), y.T).backward()
     precon.step()

@@ -25,6 +25,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from kfac._engine.report import format_report
 from kfac.assignment import KAISAAssignment
+from kfac.config import StatisticsConfig
 from kfac.preconditioner import KFACPreconditioner
 from testing.asserts import assert_rel_close
 from tests.system.test_host_syncs import count_syncs
@@ -129,7 +130,9 @@ def test_model_wide_reduce_leaves_embeddings_at_expand() -> None:
     """A model-wide `kfac_approx='reduce'` applies where it can; asking
     for it on an embedding by name is refused, with the override.
     """
-    precon = KFACPreconditioner(Tokens(), kfac_approx='reduce')
+    precon = KFACPreconditioner(
+        Tokens(), statistics=StatisticsConfig(kfac_approx='reduce')
+    )
     options = {
         e['name']: e['options'] for e in precon.describe()['preconditioned']
     }

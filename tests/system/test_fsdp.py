@@ -28,6 +28,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
+from kfac.config import ShardingConfig
 from kfac.preconditioner import KFACPreconditioner
 from testing import fsdp
 from testing import oracle
@@ -252,7 +253,9 @@ def _nonfinite_gradient() -> None:
 
     for mode in ('lossless', 'local'):
         model = fsdp.shard(fsdp.fresh())
-        precon = KFACPreconditioner(model, shard_mode=mode)
+        precon = KFACPreconditioner(
+            model, sharding=ShardingConfig(shard_mode=mode)
+        )
         tokens = fsdp.batch(0)
         model(tokens[:, :-1]).sum().backward()
         grads = {}
@@ -348,7 +351,7 @@ def _errors(out_dir: str) -> None:
     )
     fully_shard(split[1], mesh=hsdp)
     with pytest.raises(ValueError) as groups:
-        KFACPreconditioner(split, shard_mode='local')
+        KFACPreconditioner(split, sharding=ShardingConfig(shard_mode='local'))
     messages['groups'] = str(groups.value)
     _nonfinite_gradient()
     if dist.get_rank() == 0:

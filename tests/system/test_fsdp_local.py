@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from kfac.config import ShardingConfig
 from kfac.preconditioner import KFACPreconditioner
 from testing import fsdp
 from testing import oracle
@@ -59,8 +60,8 @@ def _step_grads(
         model,
         damping=DAMPING,
         relative_clip=None,
-        shard_mode=shard_mode,
         **options,
+        sharding=ShardingConfig(shard_mode=shard_mode),
     )
     x, y = (oracle.rows(t, part) for t in _data())
     nn.functional.cross_entropy(model(x), y).backward()
@@ -165,7 +166,10 @@ def _one_step(out_dir: str) -> None:
         pair = nn.Sequential(embed, nn.Linear(4, 3).double())
         fully_shard(pair)
         precon = KFACPreconditioner(
-            pair, shard_mode=mode, relative_clip=None, damping=DAMPING
+            pair,
+            relative_clip=None,
+            damping=DAMPING,
+            sharding=ShardingConfig(shard_mode=mode),
         )
         tokens = torch.arange(12).remainder(11).reshape(4, 3)
         mine = oracle.rows(tokens, (rank, world))
@@ -184,8 +188,8 @@ def _one_step(out_dir: str) -> None:
     with pytest.raises(ValueError, match="grad_worker_fraction='comm_opt'"):
         KFACPreconditioner(
             fsdp.shard(fsdp.fresh()),
-            shard_mode='local',
             grad_worker_fraction='mem_opt',
+            sharding=ShardingConfig(shard_mode='local'),
         )
     if rank == 0:
         (pathlib.Path(out_dir) / 'local.json').write_text(
@@ -246,9 +250,11 @@ def test_local_mode_is_the_block_diagonal_solve(
 
 def test_local_mode_needs_a_sharded_model() -> None:
     with pytest.raises(ValueError, match='not sharded: 0, 2, 4'):
-        KFACPreconditioner(_mlp(), shard_mode='local')
+        KFACPreconditioner(_mlp(), sharding=ShardingConfig(shard_mode='local'))
     with pytest.raises(ValueError, match='shard_mode must be one of'):
-        KFACPreconditioner(_mlp(), shard_mode='sideways')
+        KFACPreconditioner(
+            _mlp(), sharding=ShardingConfig(shard_mode='sideways')
+        )
 
 
 def test_block_mask_needs_rows_or_columns_of_one_owner() -> None:

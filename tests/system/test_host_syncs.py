@@ -21,6 +21,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kfac.config import FisherConfig
+from kfac.config import StatisticsConfig
 from kfac.preconditioner import KFACPreconditioner
 
 #: ``torch.Tensor`` methods that copy a value to the host.
@@ -68,8 +70,8 @@ def preconditioner(
         compute_method=method.split()[0],
         factor_update_steps=2,
         inv_update_steps=4,
-        fisher_type=fisher_type,
         **VARIANTS[method],
+        fisher=FisherConfig(fisher_type=fisher_type),
     )
 
 
@@ -269,8 +271,8 @@ def reads_with_sampling(
         model,
         factor_update_steps=2,
         inv_update_steps=4,
-        position_sample=sample,
         update_factors_in_hook=in_hook,
+        statistics=StatisticsConfig(position_sample=sample),
     )
     x = torch.randn(12, 10, 8, device=device)
     y = torch.randint(0, 4, (12,), device=device)
@@ -306,7 +308,9 @@ def test_sampled_positions_add_no_device_syncs(device: torch.device) -> None:
     counts = []
     for sample in (None, 0.3, None, 0.3):  # the first: warm-up
         model = TokenMLP().to(device)
-        precon = KFACPreconditioner(model, position_sample=sample)
+        precon = KFACPreconditioner(
+            model, statistics=StatisticsConfig(position_sample=sample)
+        )
 
         def one_step(
             model: nn.Module = model, precon: KFACPreconditioner = precon

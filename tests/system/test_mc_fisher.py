@@ -28,6 +28,8 @@ import torch.nn.functional as F
 from torch import nn
 
 import kfac._engine.fisher
+from kfac.config import FisherConfig
+from kfac.config import StatisticsConfig
 from kfac.math.fisher import gaussian_noise
 from kfac.math.fisher import parse_fisher
 from kfac.preconditioner import KFACPreconditioner
@@ -73,7 +75,10 @@ def mc_step(
 ) -> KFACPreconditioner:
     """One MC step on `(x, labels)`; the preconditioner (hooks removed)."""
     precon = KFACPreconditioner(
-        net, fisher_type='mc', relative_clip=None, **options
+        net,
+        relative_clip=None,
+        **options,
+        fisher=FisherConfig(fisher_type='mc'),
     )
     out = net(x)
     precon.sample_fisher(out, loss)
@@ -125,7 +130,9 @@ def test_masked_tokens_are_left_out_as_ignore_index() -> None:
         'relative_clip': None,
     }
     sampled = copy.deepcopy(net)
-    precon = KFACPreconditioner(sampled, fisher_type='mc', **options)
+    precon = KFACPreconditioner(
+        sampled, **options, fisher=FisherConfig(fisher_type='mc')
+    )
     out = sampled(x)
     precon.sample_fisher(out, mask=mask, indices=indices)
     out.sum().backward()
@@ -175,7 +182,9 @@ def test_mse_samples_a_gaussian_of_the_loss_variance(
     target = out + gaussian_noise(u) * math.sqrt(variance)
     twin = copy.deepcopy(net)
     precon = KFACPreconditioner(
-        twin, relative_clip=None, loss_average=loss_average
+        twin,
+        relative_clip=None,
+        statistics=StatisticsConfig(loss_average=loss_average),
     )
     reduction = 'mean' if loss_average else 'sum'
     F.mse_loss(twin(x), target, reduction=reduction).backward()
@@ -294,7 +303,9 @@ def test_grad_is_unchanged_and_non_update_steps_cost_nothing(
     x, y = data()
     net, plain = model(), model()
     precon = KFACPreconditioner(
-        net, fisher_type='mc', mc_samples=2, factor_update_steps=2
+        net,
+        factor_update_steps=2,
+        fisher=FisherConfig(fisher_type='mc', mc_samples=2),
     )
     passes = []
     grad = torch.autograd.grad
@@ -337,7 +348,7 @@ def test_empirical_ignores_sample_fisher() -> None:
 def test_a_forward_pass_that_was_not_sampled_raises() -> None:
     x, y = data()
     net = model()
-    KFACPreconditioner(net, fisher_type='mc')
+    KFACPreconditioner(net, fisher=FisherConfig(fisher_type='mc'))
     with pytest.raises(RuntimeError, match='sample_fisher'):
         F.cross_entropy(net(x), y).backward()
 
@@ -351,10 +362,9 @@ def test_micro_batches_equal_the_whole_batch() -> None:
     net = model()
     precon = KFACPreconditioner(
         net,
-        fisher_type='mc',
-        mc_samples=3,
         accumulation_steps=2,
         relative_clip=None,
+        fisher=FisherConfig(fisher_type='mc', mc_samples=3),
     )
     for part in x.chunk(2):
         out = net(part)
@@ -376,7 +386,10 @@ def test_a_loss_scale_is_divided_out() -> None:
     scaler = torch.amp.GradScaler('cpu', init_scale=512.0)
     net = model()
     precon = KFACPreconditioner(
-        net, fisher_type='mc', grad_scaler=scaler, relative_clip=None
+        net,
+        grad_scaler=scaler,
+        relative_clip=None,
+        fisher=FisherConfig(fisher_type='mc'),
     )
     out = net(x)
     precon.sample_fisher(out)
@@ -392,7 +405,9 @@ def test_compiled_model_samples_as_eager() -> None:
     net = model()
     compiled = cast(nn.Module, torch.compile(net, backend='aot_eager'))
     precon = KFACPreconditioner(
-        compiled, fisher_type='mc', mc_samples=2, relative_clip=None
+        compiled,
+        relative_clip=None,
+        fisher=FisherConfig(fisher_type='mc', mc_samples=2),
     )
     out = compiled(x)
     precon.sample_fisher(out)
@@ -432,7 +447,9 @@ def test_resume_continues_exactly() -> None:
         'mc_seed': 11,
     }
     resumed = copy.deepcopy(first)
-    again = KFACPreconditioner(resumed, fisher_type='mc')  # seed 0
+    again = KFACPreconditioner(
+        resumed, fisher=FisherConfig(fisher_type='mc')
+    )  # seed 0
     again.load_state_dict(state)
     assert again.fisher.seed == 11
     train(resumed, again, range(2, 4))
@@ -442,7 +459,9 @@ def test_resume_continues_exactly() -> None:
 
 def test_a_state_without_fisher_keeps_the_seed() -> None:
     net = model()
-    precon = KFACPreconditioner(net, fisher_type='mc', mc_seed=5)
+    precon = KFACPreconditioner(
+        net, fisher=FisherConfig(fisher_type='mc', mc_seed=5)
+    )
     train(net, precon, range(1))
     state = dict(precon.state_dict())
     del state['fisher']
@@ -479,7 +498,7 @@ def test_bad_options_are_refused(
 def test_bad_arguments_of_sample_fisher_are_refused() -> None:
     x, _ = data()
     net = model()
-    precon = KFACPreconditioner(net, fisher_type='mc')
+    precon = KFACPreconditioner(net, fisher=FisherConfig(fisher_type='mc'))
     out = net(x)
     cases: list[tuple[dict[str, Any], type[Exception], str]] = [
         ({'output': out.detach()}, ValueError, 'require grad'),
@@ -504,7 +523,10 @@ def test_bad_arguments_of_sample_fisher_are_refused() -> None:
 
 def test_several_samples_need_a_batch_dimension() -> None:
     net = model()
-    precon = KFACPreconditioner(net, fisher_type='mc', mc_samples=2)
+    precon = KFACPreconditioner(
+        net,
+        fisher=FisherConfig(fisher_type='mc', mc_samples=2),
+    )
     with pytest.raises(ValueError, match='batch dimension'):
         precon.sample_fisher(net(torch.randn(D_IN, dtype=F64)), 'mse')
 
@@ -512,12 +534,12 @@ def test_several_samples_need_a_batch_dimension() -> None:
 def test_sharded_models_are_refused(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(kfac._engine.fisher, 'is_sharded', lambda w: True)
     with pytest.raises(ValueError, match='FSDP2'):
-        KFACPreconditioner(model(), fisher_type='mc')
+        KFACPreconditioner(model(), fisher=FisherConfig(fisher_type='mc'))
 
 
 def test_a_malformed_fisher_entry_is_refused() -> None:
     net = model()
-    precon = KFACPreconditioner(net, fisher_type='mc')
+    precon = KFACPreconditioner(net, fisher=FisherConfig(fisher_type='mc'))
     state: dict[str, Any] = dict(precon.state_dict())
     for bad in (
         {'fisher_type': 'mc'},
@@ -561,7 +583,9 @@ def checkpointed_g(reentrant: bool | None) -> dict[str, torch.Tensor]:
     x, y = data()
     net = Checkpointed(reentrant)
     precon = KFACPreconditioner(
-        net, fisher_type='mc', mc_samples=2, relative_clip=None
+        net,
+        relative_clip=None,
+        fisher=FisherConfig(fisher_type='mc', mc_samples=2),
     )
     out = net(x.requires_grad_(reentrant is not None))
     precon.sample_fisher(out)

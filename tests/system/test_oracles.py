@@ -31,6 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kfac.config import StatisticsConfig
 from kfac.preconditioner import KFACPreconditioner
 from testing.asserts import assert_rel_close
 from testing.models import TinyCNN
@@ -375,7 +376,10 @@ def test_summed_loss_preconditions_like_the_averaged_loss(
     x, y = batch(n, (6,), device, oracle_dtype)
     mean = KFACPreconditioner(model, relative_clip=None, damping=0.01)
     total = KFACPreconditioner(
-        twin, relative_clip=None, damping=0.01 * n, loss_average=None
+        twin,
+        relative_clip=None,
+        damping=0.01 * n,
+        statistics=StatisticsConfig(loss_average=None),
     )
     F.cross_entropy(model(x), y).backward()
     F.cross_entropy(twin(x), y, reduction='sum').backward()

@@ -9,6 +9,10 @@ the library's methods are EIGEN
 
 from __future__ import annotations
 
+from typing import Any
+
+from kfac.enums import ComputeMethod
+from kfac.enums import parse_enum
 from kfac.layers.curvature.base import Curvature
 from kfac.layers.curvature.base import CurvatureConfig
 from kfac.layers.curvature.base import Decomposed
@@ -31,4 +35,31 @@ __all__ = [
     'InverseConfig',
     'InverseCurvature',
     'Layout',
+    'method_config',
 ]
+
+
+def method_config(
+    method: ComputeMethod | str, **options: Any
+) -> CurvatureConfig:
+    """The config of the method named `method` with `options` (a command
+    line's or a config file's spelling), options set to None left at their
+    defaults.
+
+    Raises:
+        TypeError, ValueError: an unknown method, or an option it does not
+            take or of a wrong value.
+
+    Examples:
+        >>> method_config('eigen', basis_refresh='qr', factor_rank=None)
+        ... # doctest: +ELLIPSIS
+        EigenConfig(..., basis_refresh=<BasisRefresh.QR: 'qr'>, ...)
+    """
+    kinds: dict[ComputeMethod, type[CurvatureConfig]] = {
+        ComputeMethod.EIGEN: EigenConfig,
+        ComputeMethod.INVERSE: InverseConfig,
+        ComputeMethod.EKFAC: EKFACConfig,
+    }
+    kind = kinds[parse_enum(ComputeMethod, method, 'compute_method')]
+    given = {k: v for k, v in options.items() if v is not None}
+    return kind(**given)

@@ -30,6 +30,9 @@ from typing import ClassVar
 
 import torch
 
+from kfac.enums import BasisRefresh
+from kfac.enums import DampingMode
+from kfac.enums import parse_enum
 from kfac.layers.curvature.base import Curvature
 from kfac.layers.curvature.base import CurvatureConfig
 from kfac.layers.curvature.base import Decomposed
@@ -48,20 +51,15 @@ from kfac.math.lowrank import lowrank_values
 from kfac.math.lowrank import mean_eigenvalue
 from kfac.math.lowrank import top_eigenpairs
 from kfac.validation import check_bool
-from kfac.validation import check_choice
 
 if TYPE_CHECKING:  # the layer holds its curvature and the curvature its layer
     from kfac.layers.base import KFACBaseLayer
 
 __all__ = [
-    'BASIS_REFRESHES',
     'WARM_START_STEPS',
     'EigenConfig',
     'EigenCurvature',
 ]
-
-BASIS_REFRESHES = ('eigh', 'qr')
-"""Allowed values of `basis_refresh`."""
 
 WARM_START_STEPS = 2
 """QR steps of a warm-started basis refresh (`basis_refresh='qr'`)."""
@@ -94,14 +92,16 @@ class EigenConfig(CurvatureConfig):
     name: ClassVar[str] = 'eigen'
 
     prediv_eigenvalues: bool = True
-    basis_refresh: str = 'eigh'
-    damping_mode: str = 'absolute'
+    basis_refresh: BasisRefresh | str = BasisRefresh.EIGH
+    damping_mode: DampingMode | str = DampingMode.ABSOLUTE
     factor_rank: int | None = None
 
     def __post_init__(self) -> None:
         check_bool('prediv_eigenvalues', self.prediv_eigenvalues)
-        check_choice('basis_refresh', self.basis_refresh, BASIS_REFRESHES)
-        check_damping_mode(self.damping_mode)
+        refresh = parse_enum(BasisRefresh, self.basis_refresh, 'basis_refresh')
+        object.__setattr__(self, 'basis_refresh', refresh)
+        mode = check_damping_mode(self.damping_mode)
+        object.__setattr__(self, 'damping_mode', mode)
         check_factor_rank(self.factor_rank)
 
     def make(self, layer: KFACBaseLayer) -> EigenCurvature:

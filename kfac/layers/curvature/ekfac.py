@@ -32,8 +32,9 @@ from typing import ClassVar
 
 import torch
 
+from kfac.enums import BasisRefresh
+from kfac.enums import parse_enum
 from kfac.layers.curvature.base import CurvatureConfig
-from kfac.layers.curvature.eigen import BASIS_REFRESHES
 from kfac.layers.curvature.eigen import EigenConfig
 from kfac.layers.curvature.eigen import EigenCurvature
 from kfac.layers.embedding import diagonal_eigen_precondition
@@ -46,7 +47,6 @@ from kfac.math import eigenvalue_outer_product
 from kfac.math import onehot_scale
 from kfac.math import rotate_onehot
 from kfac.validation import check_bool
-from kfac.validation import check_choice
 
 if TYPE_CHECKING:  # the layer holds its curvature and the curvature its layer
     from kfac.layers.base import KFACBaseLayer
@@ -80,11 +80,12 @@ class EKFACConfig(CurvatureConfig):
     name: ClassVar[str] = 'ekfac'
 
     prediv_eigenvalues: bool = True
-    basis_refresh: str = 'eigh'
+    basis_refresh: BasisRefresh | str = BasisRefresh.EIGH
 
     def __post_init__(self) -> None:
         check_bool('prediv_eigenvalues', self.prediv_eigenvalues)
-        check_choice('basis_refresh', self.basis_refresh, BASIS_REFRESHES)
+        refresh = parse_enum(BasisRefresh, self.basis_refresh, 'basis_refresh')
+        object.__setattr__(self, 'basis_refresh', refresh)
 
     def make(self, layer: KFACBaseLayer) -> EKFACCurvature:
         """The EKFAC curvature of `layer`."""

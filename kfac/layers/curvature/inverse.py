@@ -20,6 +20,7 @@ from typing import ClassVar
 
 import torch
 
+from kfac.enums import DampingMode
 from kfac.layers.curvature.base import Curvature
 from kfac.layers.curvature.base import CurvatureConfig
 from kfac.layers.curvature.base import Decomposed
@@ -61,11 +62,12 @@ class InverseConfig(CurvatureConfig):
 
     name: ClassVar[str] = 'inverse'
 
-    damping_mode: str = 'absolute'
+    damping_mode: DampingMode | str = DampingMode.ABSOLUTE
     factor_rank: int | None = None
 
     def __post_init__(self) -> None:
-        check_damping_mode(self.damping_mode)
+        mode = check_damping_mode(self.damping_mode)
+        object.__setattr__(self, 'damping_mode', mode)
         check_factor_rank(self.factor_rank)
 
     def make(self, layer: KFACBaseLayer) -> InverseCurvature:

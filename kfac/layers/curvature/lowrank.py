@@ -14,10 +14,10 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from kfac.enums import DampingMode
+from kfac.enums import parse_enum
 from kfac.layers.curvature.base import Layout
-from kfac.math.lowrank import DAMPING_MODES
 from kfac.math.lowrank import relative_damping
-from kfac.validation import check_choice
 from kfac.validation import validate_int
 
 if TYPE_CHECKING:  # the layer holds its curvature and the curvature its layer
@@ -40,13 +40,13 @@ def check_factor_rank(rank: object) -> int | None:
     return None if rank is None else validate_int('factor_rank', rank)
 
 
-def check_damping_mode(mode: object) -> str:
-    """`mode` if it is one of `'absolute'`, `'relative'`.
+def check_damping_mode(mode: object) -> DampingMode:
+    """`mode` as a [`DampingMode`][kfac.enums.DampingMode].
 
     Raises:
         TypeError, ValueError: anything else.
     """
-    return check_choice('damping_mode', mode, DAMPING_MODES)
+    return parse_enum(DampingMode, mode, 'damping_mode')
 
 
 def effective_damping(
