@@ -217,6 +217,7 @@ class Runner:
                 skip_layers=bench.skip_layers,
                 **{**KFAC_DEFAULTS, **bench.kfac_options},
                 statistics=StatisticsConfig(
+                    loss_average=bench.loss_average,
                     kfac_approx=config.approx,
                     position_sample=config.sample,
                     compile_arithmetic=config.arithmetic,

@@ -201,7 +201,8 @@ class Bench:
     """A model, :data:`BATCHES` fixed batches and its loss.
 
     ``inputs[k]`` and ``target[k]`` are batch ``k``. ``skip_layers`` and
-    ``kfac_options`` go to :class:`~kfac.preconditioner.KFACPreconditioner`;
+    ``kfac_options`` go to :class:`~kfac.preconditioner.KFACPreconditioner`,
+    ``loss_average`` to its statistics;
     ``approximations`` are the ``kfac_approx`` values benchmarked (reduce
     only where layers share weights across positions); ``low_rank`` adds
     EIGEN with ``factor_rank=64``.
@@ -214,6 +215,7 @@ class Bench:
     loss: Loss
     skip_layers: tuple[str, ...] = SKIP_LAYERS
     kfac_options: dict[str, Any] = dataclasses.field(default_factory=dict)
+    loss_average: str | None = 'batch'
     approximations: tuple[str, ...] = ('expand', 'reduce')
     low_rank: bool = False
 
@@ -264,7 +266,7 @@ def _gpt(generator: torch.Generator) -> Bench:
         tokens[:, :, 1:],
         _sequence_loss,
         skip_layers=(),
-        kfac_options={'loss_average': 'batch+sequence'},
+        loss_average='batch+sequence',
     )
 
 

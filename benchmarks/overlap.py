@@ -26,6 +26,7 @@ import torch.distributed as dist
 from benchmarks.models import build
 from kfac.base_preconditioner import BaseKFACPreconditioner
 from kfac.config import EngineOptions
+from kfac.config import StatisticsConfig
 from kfac.distributed import TorchDistributedCommunicator
 from kfac.hyperparams import ORIGINAL_DEFAULTS
 from kfac.preconditioner import KFACPreconditioner
@@ -58,6 +59,7 @@ def _probe(name: str, bucket_cap_mb: float) -> dict[str, Any]:
         model,
         lr=0.01,
         skip_layers=bench.skip_layers,
+        statistics=StatisticsConfig(loss_average=bench.loss_average),
         **{**ORIGINAL_DEFAULTS, **bench.kfac_options},
     )
     full.remove()

@@ -89,17 +89,27 @@ def lm_batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
     return tokens[:, :-1], tokens[:, 1:]
 
 
+def statistics(**options: Any) -> StatisticsConfig:
+    """The oracles' statistics: a loss averaged over tokens, `options`."""
+    return StatisticsConfig(loss_average='batch+sequence', **options)
+
+
 def build(
     model: nn.Module, config: dict[str, Any]
 ) -> tuple[KFACPreconditioner, torch.optim.Optimizer]:
-    """The preconditioner (with `config`) and optimizer of the oracles."""
+    """The preconditioner (with `config`; its statistics default to
+    `statistics()`) and optimizer of the oracles.
+    """
     precon = KFACPreconditioner(
         model,
-        inv_update_steps=2,
-        damping=0.01,
-        kl_clip=0.01,
-        **{'factor_update_steps': 1, **config},
-        statistics=StatisticsConfig(loss_average='batch+sequence'),
+        **{
+            'factor_update_steps': 1,
+            'inv_update_steps': 2,
+            'damping': 0.01,
+            'relative_clip': 0.01,
+            'statistics': statistics(),
+            **config,
+        },
     )
     return precon, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
 

@@ -509,7 +509,11 @@ def test_factor_rank_no_shorter_than_the_factors_is_plain_eigen() -> None:
     ('build', 'error', 'match'),
     [
         (lambda: InverseConfig(factor_rank=0), ValueError, 'factor_rank'),
-        (lambda: EigenConfig(factor_rank=2.5), TypeError, 'factor_rank'),
+        (
+            lambda: EigenConfig(factor_rank=2.5),  # type: ignore[arg-type]  # wrong on purpose
+            TypeError,
+            'factor_rank',
+        ),
         (
             lambda: InverseConfig(damping_mode='scaled'),
             ValueError,
@@ -517,7 +521,7 @@ def test_factor_rank_no_shorter_than_the_factors_is_plain_eigen() -> None:
         ),
         # EKFAC adds λ to its scaling as given: no such option to write
         (
-            lambda: EKFACConfig(damping_mode='relative'),
+            lambda: EKFACConfig(damping_mode='relative'),  # type: ignore[call-arg]  # no such option
             TypeError,
             'damping_mode',
         ),

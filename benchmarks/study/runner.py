@@ -21,6 +21,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from benchmarks.study import variants
 from benchmarks.study.tasks import Batch
 from benchmarks.study.tasks import Task
 from kfac.preconditioner import KFACPreconditioner
@@ -176,7 +177,9 @@ def run(
     precon = None
     if config.kfac is not None:
         precon = KFACPreconditioner(
-            model, optimizer=optimizers, **config.settings()
+            model,
+            optimizer=optimizers,
+            **variants.keywords(config.settings()),
         )
     batches = task.batches(seed)
     evals = [(0, 0.0, task.evaluate(model), 0.0)]

@@ -51,7 +51,9 @@ def cost(
     precon = (
         None
         if settings is None
-        else KFACPreconditioner(model, optimizer=optimizers, **settings)
+        else KFACPreconditioner(
+            model, optimizer=optimizers, **variants.keywords(settings)
+        )
     )
     batches = task.batches(0)
     cpu = 0.0

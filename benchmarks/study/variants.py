@@ -12,6 +12,10 @@ from __future__ import annotations
 
 from typing import Any
 
+from kfac.config import FisherConfig
+from kfac.config import StatisticsConfig
+from kfac.layers.curvature import method_config
+
 BASE_KFAC: dict[str, Any] = {
     # (set: the library's default became INVERSE after the study began)
     'compute_method': 'eigen',
@@ -97,7 +101,8 @@ NAMES = sorted([*VARIANTS, DEFAULTS, *OVER_DEFAULTS])
 
 
 def settings(name: str) -> dict[str, Any]:
-    """K-FAC's keyword arguments of the configuration `name` (of `NAMES`).
+    """The configuration `name` (of `NAMES`), described flat (see
+    `keywords` for the preconditioner's keyword arguments).
 
     Raises:
         ValueError: `name` is not one of `NAMES`.
@@ -109,6 +114,45 @@ def settings(name: str) -> dict[str, Any]:
     if name in VARIANTS:
         return {**BASE_KFAC, **VARIANTS[name]}
     raise ValueError(f'K-FAC variant must be one of {NAMES}; got {name!r}')
+
+
+_METHOD = ('basis_refresh', 'damping_mode', 'factor_rank')
+_GROUPS: dict[str, tuple[type[Any], tuple[str, ...]]] = {
+    'statistics': (
+        StatisticsConfig,
+        ('kfac_approx', 'max_factor_dim', 'position_sample'),
+    ),
+    'fisher': (FisherConfig, ('fisher_type', 'mc_samples', 'mc_seed')),
+}
+
+
+def keywords(described: dict[str, Any]) -> dict[str, Any]:
+    """The `KFACPreconditioner` keywords of a configuration as `settings`
+    describes it (flat, as the results record it): the method's options
+    into its config (`method_config`), a module's `factor_rank: None` into
+    that module's method without the rank, the other options into their
+    groups.
+    """
+    options = dict(described)
+    method = {k: options.pop(k) for k in _METHOD if k in options}
+    name = options.pop('compute_method', None)
+    if method or name is not None:
+        options['compute_method'] = method_config(name or 'inverse', **method)
+    whole = {k: v for k, v in method.items() if k != 'factor_rank'}
+    overrides = options.pop('module_options', None)
+    if overrides is not None:
+        options['module_options'] = {
+            pattern: {
+                'compute_method': method_config(name or 'inverse', **whole)
+            }
+            for pattern, per_module in overrides.items()
+            if per_module == {'factor_rank': None}
+        }
+    for group, (kind, keys) in _GROUPS.items():
+        given = {k: options.pop(k) for k in keys if k in options}
+        if given:
+            options[group] = kind(**given)
+    return options
 
 
 def refusal(task: str, name: str) -> str | None:

@@ -581,7 +581,7 @@ def test_run_model_reports_reduce_beside_expand(
         tokens[:, :, 1:],
         lambda y, t: F.cross_entropy(y.flatten(0, 1), t.flatten()),
         skip_layers=(),
-        kfac_options={'loss_average': 'batch+sequence'},
+        loss_average='batch+sequence',
     )
     monkeypatch.setattr('benchmarks.summary.build', lambda name: bench)
     result = run_model(

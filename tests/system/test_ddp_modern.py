@@ -20,7 +20,6 @@ import pytest
 import torch
 from torch import nn
 
-from kfac.config import StatisticsConfig
 from kfac.preconditioner import KFACPreconditioner
 from testing import fsdp
 from testing import oracle
@@ -32,9 +31,9 @@ CONFIGS: list[dict[str, Any]] = [
     {
         'grad_worker_fraction': 'mem_opt',
         'compute_method': 'inverse',
-        'kfac_approx': 'reduce',
         'allreduce_bucket_cap_mb': 0.0,
-        'max_factor_dim': 5,  # tiles: the tied vocabulary side, the MLP
+        # tiles: the tied vocabulary side, the MLP
+        'statistics': fsdp.statistics(kfac_approx='reduce', max_factor_dim=5),
     },
 ]
 
@@ -71,11 +70,14 @@ def _train(config: dict[str, Any], part: oracle.Part) -> torch.Tensor:
     wrapped = oracle.wrap(model)
     precon = KFACPreconditioner(
         wrapped,
-        inv_update_steps=2,
-        damping=0.01,
-        kl_clip=0.01,
-        **{'factor_update_steps': 1, **config},
-        statistics=StatisticsConfig(loss_average='batch+sequence'),
+        **{
+            'factor_update_steps': 1,
+            'inv_update_steps': 2,
+            'damping': 0.01,
+            'relative_clip': 0.01,
+            'statistics': fsdp.statistics(),
+            **config,
+        },
     )
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     oracle.train_steps(

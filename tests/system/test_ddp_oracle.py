@@ -21,13 +21,17 @@ from __future__ import annotations
 import functools
 import itertools
 import pathlib
+from dataclasses import replace
 from typing import Any
 
 import pytest
 import torch
 
+from kfac.config import FisherConfig
+from kfac.config import StatisticsConfig
 from kfac.enums import DistributedStrategy
 from kfac.hyperparams import ORIGINAL_DEFAULTS
+from kfac.layers.curvature import method_config
 from kfac.placement import valid_grad_worker_fractions
 from kfac.preconditioner import KFACPreconditioner
 from testing import oracle
@@ -213,8 +217,8 @@ def train(
     model = (PooledCNN() if special else TinyCNN()).to(device, torch.float64)
     wrapped = oracle.wrap(model)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    # the original's defaults (every step, the 'kl' clip) unless set
-    options: dict[str, Any] = {**ORIGINAL_DEFAULTS, **config}
+    # the original's defaults (every step, the KL clip) unless set
+    options = _keywords({**ORIGINAL_DEFAULTS, **config})
     if options.pop('optimizer', False):
         options['optimizer'] = optimizer
     resume = options.pop('resume', False)
@@ -231,10 +235,39 @@ def train(
     if resume:
         state = precon.state_dict()
         precon.remove()
-        precon = KFACPreconditioner(wrapped, **{**options, 'mc_seed': 0})
+        fisher = options['fisher']
+        precon = KFACPreconditioner(
+            wrapped, **{**options, 'fisher': replace(fisher, mc_seed=0)}
+        )
         precon.load_state_dict(state)
         train(precon, steps=range(2, STEPS))
     return oracle.flat_params(model)
+
+
+_METHOD = ('basis_refresh', 'damping_mode', 'factor_rank')
+_FISHER = ('fisher_type', 'mc_samples', 'mc_seed')
+_STATISTICS = ('position_sample', 'position_sample_seed')
+
+
+def _keywords(case: dict[str, Any]) -> dict[str, Any]:
+    """The preconditioner's keywords of a case written flat: the method's
+    options into its config (`method_config`), the Fisher's and the
+    statistics' into their groups.
+    """
+    options = dict(case)
+    method = {k: options.pop(k) for k in _METHOD if k in options}
+    if method:
+        name = options.pop('compute_method')
+        prediv = options.pop('compute_eigenvalue_outer_product', True)
+        if name != 'inverse':
+            method['prediv_eigenvalues'] = prediv
+        options['compute_method'] = method_config(name, **method)
+    fisher = {k: options.pop(k) for k in _FISHER if k in options}
+    options['fisher'] = FisherConfig(**fisher)
+    statistics = {k: options.pop(k) for k in _STATISTICS if k in options}
+    if statistics:
+        options['statistics'] = StatisticsConfig(**statistics)
+    return options
 
 
 @pytest.mark.timeout(300)

@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 import pathlib
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 import pytest
@@ -29,6 +30,7 @@ from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
 from kfac.config import ShardingConfig
+from kfac.layers.curvature import EKFACConfig
 from kfac.preconditioner import KFACPreconditioner
 from testing import fsdp
 from testing import oracle
@@ -43,7 +45,7 @@ CONFIGS: dict[str, dict[str, Any]] = {
     },
     'mem_opt-eigen': {
         'grad_worker_fraction': 'mem_opt',
-        'kfac_approx': 'reduce',
+        'statistics': fsdp.statistics(kfac_approx='reduce'),
         'allreduce_bucket_cap_mb': 0.0,
     },
     'mem_opt-inverse': {
@@ -56,8 +58,7 @@ CONFIGS: dict[str, dict[str, Any]] = {
     },
     'mem_opt-ekfac': {
         'grad_worker_fraction': 'mem_opt',
-        'compute_method': 'ekfac',
-        'basis_refresh': 'qr',
+        'compute_method': EKFACConfig(basis_refresh='qr'),
     },
     'comm_opt-ekfac': {'compute_method': 'ekfac'},
 }
@@ -395,7 +396,12 @@ def _tied() -> _TiedLM:
     return _TiedLM().double()
 
 
-TILED = {'max_factor_dim': 5}  # 13-token vocabulary, width 8: tiles
+def _tiled(config: dict[str, Any]) -> dict[str, Any]:
+    """`config` with factors of at most 5 rows (13-token vocabulary,
+    width 8: tiles).
+    """
+    base = config.get('statistics', fsdp.statistics())
+    return {**config, 'statistics': replace(base, max_factor_dim=5)}
 
 
 def _train_tied(name: str, part: oracle.Part) -> torch.Tensor:
@@ -408,7 +414,7 @@ def _train_tied(name: str, part: oracle.Part) -> torch.Tensor:
     if dist.is_initialized():
         fully_shard(model.mid)
         fully_shard(model)
-    precon = fsdp.train(model, {**CONFIGS[name], **TILED}, part=part)
+    precon = fsdp.train(model, _tiled(CONFIGS[name]), part=part)
     assert precon is not None
     assert {'embed.block0', 'mid.block0'} <= set(precon.layers)
     assert not any(n.startswith('head') for n in precon.layers)

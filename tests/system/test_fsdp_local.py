@@ -183,7 +183,11 @@ def _one_step(out_dir: str) -> None:
     # decomposition updates); MEM-OPT refused.
     lm = fsdp.shard(fsdp.fresh())
     losses = [_loss(lm)]
-    fsdp.train(lm, {'shard_mode': 'local'}, part=(rank, world))
+    fsdp.train(
+        lm,
+        {'sharding': ShardingConfig(shard_mode='local')},
+        part=(rank, world),
+    )
     losses.append(_loss(lm))
     with pytest.raises(ValueError, match="grad_worker_fraction='comm_opt'"):
         KFACPreconditioner(
@@ -251,10 +255,8 @@ def test_local_mode_is_the_block_diagonal_solve(
 def test_local_mode_needs_a_sharded_model() -> None:
     with pytest.raises(ValueError, match='not sharded: 0, 2, 4'):
         KFACPreconditioner(_mlp(), sharding=ShardingConfig(shard_mode='local'))
-    with pytest.raises(ValueError, match='shard_mode must be one of'):
-        KFACPreconditioner(
-            _mlp(), sharding=ShardingConfig(shard_mode='sideways')
-        )
+    with pytest.raises(ValueError, match="shard_mode='sideways' is not a"):
+        ShardingConfig(shard_mode='sideways')
 
 
 def test_block_mask_needs_rows_or_columns_of_one_owner() -> None:

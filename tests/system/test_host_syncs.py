@@ -23,6 +23,7 @@ from torch import nn
 
 from kfac.config import FisherConfig
 from kfac.config import StatisticsConfig
+from kfac.layers.curvature import method_config
 from kfac.preconditioner import KFACPreconditioner
 
 #: ``torch.Tensor`` methods that copy a value to the host.
@@ -56,6 +57,7 @@ VARIANTS: dict[str, dict[str, Any]] = {
     'eigen relative': {'damping_mode': 'relative'},
     'inverse relative': {'damping_mode': 'relative'},
 }
+"""Per variant, the options of its method (`method_config`)."""
 
 
 def preconditioner(
@@ -67,10 +69,9 @@ def preconditioner(
     """
     return KFACPreconditioner(
         model,
-        compute_method=method.split()[0],
+        compute_method=method_config(method.split()[0], **VARIANTS[method]),
         factor_update_steps=2,
         inv_update_steps=4,
-        **VARIANTS[method],
         fisher=FisherConfig(fisher_type=fisher_type),
     )
 

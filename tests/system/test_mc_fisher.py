@@ -71,14 +71,19 @@ def mc_step(
     net: nn.Module,
     x: torch.Tensor,
     loss: str = 'cross_entropy',
+    *,
+    seed: int = 0,
+    samples: int = 1,
     **options: Any,
 ) -> KFACPreconditioner:
     """One MC step on `(x, labels)`; the preconditioner (hooks removed)."""
     precon = KFACPreconditioner(
         net,
         relative_clip=None,
+        fisher=FisherConfig(
+            fisher_type='mc', mc_seed=seed, mc_samples=samples
+        ),
         **options,
-        fisher=FisherConfig(fisher_type='mc'),
     )
     out = net(x)
     precon.sample_fisher(out, loss)
@@ -105,7 +110,7 @@ def test_one_sample_equals_the_empirical_g_at_independent_samples(
 ) -> None:
     x, _ = data()
     net = model()
-    mc = g_factors(mc_step(copy.deepcopy(net), x, mc_seed=seed))
+    mc = g_factors(mc_step(copy.deepcopy(net), x, seed=seed))
     probs = torch.softmax(net(x).detach(), -1)
     labels = torch.tensor(py_classes(probs, seed, 0, list(range(N)), 0))
     twin = copy.deepcopy(net)
@@ -126,7 +131,7 @@ def test_masked_tokens_are_left_out_as_ignore_index() -> None:
     mask = torch.rand(N, 2) > 0.3
     indices = torch.arange(10, 10 + N)
     options: dict[str, Any] = {
-        'loss_average': 'batch+sequence',
+        'statistics': StatisticsConfig(loss_average='batch+sequence'),
         'relative_clip': None,
     }
     sampled = copy.deepcopy(net)
@@ -165,8 +170,10 @@ def test_mse_samples_a_gaussian_of_the_loss_variance(
     """
     x, _ = data()
     net = model()
-    options: dict[str, Any] = {'mc_seed': 3, 'loss_average': loss_average}
-    mc = g_factors(mc_step(copy.deepcopy(net), x, 'mse', **options))
+    statistics = StatisticsConfig(loss_average=loss_average)
+    mc = g_factors(
+        mc_step(copy.deepcopy(net), x, 'mse', seed=3, statistics=statistics)
+    )
     out = net(x).detach()
     u = torch.tensor(
         [
@@ -254,7 +261,7 @@ def test_many_samples_converge_to_the_exact_fisher(loss: str) -> None:
     x, y = data()
     net = model()
     moments = exact_moments(loss, net, x)
-    mc = g_factors(mc_step(copy.deepcopy(net), x, loss, mc_samples=samples))
+    mc = g_factors(mc_step(copy.deepcopy(net), x, loss, samples=samples))
     for name, (exact, var) in moments.items():
         tolerance = 5 * math.sqrt(float(var.sum()) / samples)
         error = float(torch.linalg.matrix_norm(mc[name] - exact))
@@ -358,7 +365,7 @@ def test_a_forward_pass_that_was_not_sampled_raises() -> None:
 
 def test_micro_batches_equal_the_whole_batch() -> None:
     x, _ = data()
-    whole = g_factors(mc_step(model(), x, mc_samples=3))
+    whole = g_factors(mc_step(model(), x, samples=3))
     net = model()
     precon = KFACPreconditioner(
         net,
@@ -401,7 +408,7 @@ def test_a_loss_scale_is_divided_out() -> None:
 
 def test_compiled_model_samples_as_eager() -> None:
     x, y = data()
-    eager = g_factors(mc_step(model(), x, mc_samples=2))
+    eager = g_factors(mc_step(model(), x, samples=2))
     net = model()
     compiled = cast(nn.Module, torch.compile(net, backend='aot_eager'))
     precon = KFACPreconditioner(
@@ -431,8 +438,7 @@ def train(net: nn.Module, precon: KFACPreconditioner, steps: range) -> None:
 
 def test_resume_continues_exactly() -> None:
     options: dict[str, Any] = {
-        'fisher_type': 'mc',
-        'mc_seed': 11,
+        'fisher': FisherConfig(fisher_type='mc', mc_seed=11),
         'factor_decay': 0.5,
     }
     whole = model()
@@ -481,18 +487,21 @@ def test_a_state_without_fisher_keeps_the_seed() -> None:
         ({'mc_samples': 1.5}, TypeError, 'mc_samples'),
         ({'mc_seed': -1}, ValueError, 'mc_seed'),
         ({'mc_seed': 1 << 63}, ValueError, 'mc_seed'),
-        (
-            {'fisher_type': 'mc', 'mc_samples': 2, 'compute_method': 'ekfac'},
-            ValueError,
-            'ekfac',
-        ),
     ],
 )
 def test_bad_options_are_refused(
     options: dict[str, Any], error: type[Exception], match: str
 ) -> None:
     with pytest.raises(error, match=match):
-        KFACPreconditioner(model(), **options)
+        FisherConfig(**options)
+
+
+def test_several_samples_are_refused_with_ekfac() -> None:
+    fisher = FisherConfig(fisher_type='mc', mc_samples=2)
+    with pytest.raises(
+        ValueError, match="not supported with compute_method='ekfac'"
+    ):
+        KFACPreconditioner(model(), compute_method='ekfac', fisher=fisher)
 
 
 def test_bad_arguments_of_sample_fisher_are_refused() -> None:
