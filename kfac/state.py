@@ -60,7 +60,8 @@ READABLE_VERSIONS = (1, 2, 3, 4, 5)
 per-use factors of a weight tied in transposed roles (`'<module>:A'`,
 `'<module>:G'`, see [`kfac.layers.tied`][kfac.layers.tied]); version 3
 the engine's `'options'` (the clip rule) and EKFAC's scaling `'S'` in a
-layer's entries (see [`kfac.layers.ekfac`][kfac.layers.ekfac]). An older
+layer's entries (see
+[`kfac.layers.curvature.ekfac`][kfac.layers.curvature.ekfac]). An older
 state is a newer one without what was added, loaded as it is: a state
 without `'options'` loads with `kl_clip_rule='kl'`, the only rule before
 version 3, and an EKFAC layer without `'S'` starts its scaling afresh at

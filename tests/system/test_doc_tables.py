@@ -196,8 +196,6 @@ def test_every_named_error_has_an_example() -> None:
         )
 
 
-# `loss_reduction`'s examples warn as well as raise.
-@pytest.mark.filterwarnings('ignore::DeprecationWarning')
 @pytest.mark.parametrize(
     ('argument', 'error', 'example'),
     _examples(),

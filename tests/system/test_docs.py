@@ -309,12 +309,12 @@ def _scaled_training(unscale_first: bool, **options: Any) -> torch.Tensor:
     ],
     ids=['relative', 'no-clip', 'kl'],
 )
-def test_unscale_order_matters_only_under_the_kl_rule(
+def test_unscale_order_matters_only_with_the_kl_clip(
     options: dict[str, Any], order_matters: bool
 ) -> None:
-    # guide/mixed-precision.md: under 'relative' (or without a clip)
-    # preconditioning before unscale_ gives the same update; under 'kl'
-    # the clip sees the loss scale.
+    # guide/mixed-precision.md: under the default relative clip (or
+    # without a clip) preconditioning before unscale_ gives the same
+    # update; with a kl_clip the KL clip sees the loss scale.
     first = _scaled_training(True, **options)
     after = _scaled_training(False, **options)
     same = torch.allclose(first, after, rtol=1e-5, atol=1e-7)
