@@ -98,6 +98,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         factor_update_steps=5,
         inv_update_steps=20,
         damping=0.003,
+        kl_clip=0.0,
         relative_clip=1.0,
     )
     p.add_argument('--target-accuracy', type=float, default=0.88)

@@ -35,11 +35,21 @@ from kfac import validation
 from kfac.base_preconditioner import BaseKFACPreconditioner
 from kfac.checkpoint import dcp_state
 from kfac.checkpoint import load_dcp
+from kfac.config import FisherConfig
 from kfac.config import KFACConfig
+from kfac.config import ShardingConfig
+from kfac.config import StatisticsConfig
 from kfac.enums import AllreduceMethod
 from kfac.enums import AssignmentStrategy
+from kfac.enums import BasisRefresh
 from kfac.enums import ComputeMethod
+from kfac.enums import DampingMode
 from kfac.enums import DistributedStrategy
+from kfac.enums import FisherType
+from kfac.enums import KFACApprox
+from kfac.enums import LossAverage
+from kfac.enums import MCLoss
+from kfac.enums import ShardMode
 from kfac.hyperparams import ORIGINAL_DEFAULTS
 from kfac.layers.curvature import Curvature
 from kfac.layers.curvature import CurvatureConfig
@@ -47,6 +57,7 @@ from kfac.layers.curvature import Decomposed
 from kfac.layers.curvature import EigenConfig
 from kfac.layers.curvature import EKFACConfig
 from kfac.layers.curvature import InverseConfig
+from kfac.layers.curvature import method_config
 from kfac.optimizer import KFACOptimizer
 from kfac.preconditioner import KFACPreconditioner
 from kfac.scheduler import LambdaParamScheduler
@@ -59,19 +70,29 @@ __all__ = [
     'AllreduceMethod',
     'AssignmentStrategy',
     'BaseKFACPreconditioner',
+    'BasisRefresh',
     'ComputeMethod',
     'Curvature',
     'CurvatureConfig',
+    'DampingMode',
     'Decomposed',
     'DistributedStrategy',
     'EKFACConfig',
     'EigenConfig',
+    'FisherConfig',
+    'FisherType',
     'InverseConfig',
+    'KFACApprox',
     'KFACConfig',
     'KFACOptimizer',
     'KFACPreconditioner',
     'LambdaParamScheduler',
+    'LossAverage',
+    'MCLoss',
     'PhaseTimer',
+    'ShardMode',
+    'ShardingConfig',
+    'StatisticsConfig',
     '__version__',
     'assignment',
     'base_preconditioner',
@@ -84,6 +105,7 @@ __all__ = [
     'layers',
     'load_dcp',
     'math',
+    'method_config',
     'optimizer',
     'placement',
     'preconditioner',

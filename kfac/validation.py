@@ -20,7 +20,6 @@ from __future__ import annotations
 import math
 import numbers
 from collections.abc import Mapping
-from collections.abc import Sequence
 from typing import TypeGuard
 
 import torch
@@ -28,7 +27,6 @@ import torch
 __all__ = [
     'check_bool',
     'check_callable',
-    'check_choice',
     'check_dtype',
     'check_instance',
     'is_int',
@@ -176,33 +174,6 @@ def check_bool(name: str, value: object) -> bool:
     """
     if not isinstance(value, bool):
         raise type_error(name, value, 'a bool')
-    return value
-
-
-def check_choice(name: str, value: object, allowed: Sequence[str]) -> str:
-    """Return `value` if it is one of the strings `allowed` (exactly).
-
-    Args:
-        name: the argument's name.
-        value: the value given.
-        allowed: the strings allowed.
-
-    Raises:
-        TypeError: `value` is not a string.
-        ValueError: `value` is not in `allowed`.
-
-    Examples:
-        >>> check_choice('kl_clip_rule', 'kll', ('kl', 'relative'))
-        Traceback (most recent call last):
-        ...
-        ValueError: kl_clip_rule must be one of ('kl', 'relative'); got 'kll'
-
-    """
-    choices = tuple(allowed)
-    if not isinstance(value, str):
-        raise type_error(name, value, f'one of {choices!r}')
-    if value not in choices:
-        raise ValueError(f'{name} must be one of {choices!r}; got {value!r}')
     return value
 
 

@@ -46,7 +46,6 @@ from kfac.scheduler import LambdaParamScheduler
 from kfac.tracing import PhaseTimer
 from kfac.validation import check_bool
 from kfac.validation import check_callable
-from kfac.validation import check_choice
 from kfac.validation import check_dtype
 from kfac.validation import check_instance
 from kfac.validation import validate_float
@@ -675,18 +674,6 @@ def test_check_bool() -> None:
     assert check_bool('flag', False) is False
     with pytest.raises(TypeError, match=r'^flag must be a bool; got 0 of'):
         check_bool('flag', 0)
-
-
-def test_check_choice() -> None:
-    assert check_choice('mode', 'sum', ['mean', 'sum']) == 'sum'
-    with pytest.raises(ValueError) as info:
-        check_choice('mode', 'Sum', ('mean', 'sum'))
-    assert str(info.value) == "mode must be one of ('mean', 'sum'); got 'Sum'"
-    with pytest.raises(TypeError) as type_info:
-        check_choice('mode', 1, ('mean', 'sum'))
-    assert str(type_info.value) == (
-        "mode must be one of ('mean', 'sum'); got 1 of type int"
-    )
 
 
 def test_check_callable() -> None:

@@ -19,7 +19,6 @@ from __future__ import annotations
 import torch
 
 from kfac.enums import LossAverage
-from kfac.enums import parse_enum
 from kfac.layers.examples import Call
 from kfac.layers.examples import ExampleRows
 from kfac.layers.factor import Captured
@@ -40,9 +39,19 @@ def check_loss_average(loss_average: object) -> LossAverage | None:
     """
     if loss_average is None:
         return None
-    return parse_enum(
-        LossAverage, loss_average, 'loss_average (None: a summed loss)'
-    )
+    allowed = ', '.join(repr(m.value) for m in LossAverage)
+    if not isinstance(loss_average, str):
+        raise TypeError(
+            f'loss_average must be None (a summed loss) or one of {allowed}; '
+            f'got {loss_average!r} of type {type(loss_average).__name__}',
+        )
+    try:
+        return LossAverage(loss_average)
+    except ValueError:
+        raise ValueError(
+            f'loss_average must be None (a summed loss) or one of {allowed} '
+            f'(case-insensitive); got {loss_average!r}',
+        ) from None
 
 
 class LayerStatistics:

@@ -55,7 +55,7 @@ def decomposed(
 
 def test_layer_validates_loss_average() -> None:
     helper = LinearModuleHelper(nn.Linear(2, 2))
-    with pytest.raises(ValueError, match='loss_average must be one of'):
+    with pytest.raises(ValueError, match='loss_average must be None'):
         KFACEigenLayer(helper, loss_average='mean')
     layer = KFACEigenLayer(helper, loss_average=None)
     assert layer.statistics.loss_average is None

@@ -66,7 +66,9 @@ def test_conv_factors_equal_their_definition(
     model = nn.Sequential(conv, nn.Tanh())
     shape = (9,) if dims == 1 else (5, 4, 5)
     x = torch.randn(3, 2, *shape, dtype=F64)
-    precon, grad = _step(model, x, kfac_approx=approx)
+    precon, grad = _step(
+        model, x, statistics=StatisticsConfig(kfac_approx=approx)
+    )
     patches = conv_patches_nd(conv, x)  # (N, positions, C·Π k)
     g = grad.flatten(2).transpose(1, 2)  # (N, positions, out)
     a, g_ref = layer_factors(

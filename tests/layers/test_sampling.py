@@ -85,11 +85,16 @@ def captured(
     return {n: (v[0], v[1]) for n, v in seen.items()}
 
 
-def factors(option: object, **kwargs: object) -> dict[str, torch.Tensor]:
+def factors(
+    option: object, seed: int = 0, **kwargs: object
+) -> dict[str, torch.Tensor]:
     """The factors after one step of `SeqNet` on a fixed batch."""
     torch.manual_seed(0)
     model = SeqNet().to(DT)
-    statistics = StatisticsConfig(position_sample=option)  # type: ignore[arg-type]  # options under test
+    statistics = StatisticsConfig(
+        position_sample=option,  # type: ignore[arg-type]  # options under test
+        position_sample_seed=seed,
+    )
     precon = KFACPreconditioner(model, statistics=statistics, **kwargs)  # type: ignore[arg-type]  # options under test
     x = torch.randn(6, 2, 4, 4, dtype=DT)
     model(x).pow(2).mean().backward()
@@ -115,9 +120,7 @@ def test_sampled_factors_equal_dense_ones_on_the_drawn_positions(
     # Patches a few examples at a time: the examples' indices must run on.
     monkeypatch.setattr(conv_module, 'PATCH_BLOCK_ELEMENTS', 18 * 16 * 2)
     seed = 12345
-    got = factors(
-        option, position_sample_seed=seed, update_factors_in_hook=in_hook
-    )
+    got = factors(option, seed=seed, update_factors_in_hook=in_hook)
     torch.manual_seed(0)
     model = SeqNet().to(DT)
     x = torch.randn(6, 2, 4, 4, dtype=DT)

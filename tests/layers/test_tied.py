@@ -19,6 +19,7 @@ from torch import nn
 from kfac._engine.report import format_report
 from kfac.config import StatisticsConfig
 from kfac.layers.curvature import EigenCurvature
+from kfac.layers.curvature import method_config
 from kfac.layers.register import register_model
 from kfac.layers.tied import TiedHelper
 from kfac.layers.tied import TiedStatistics
@@ -107,10 +108,12 @@ def _step(
 ) -> KFACPreconditioner:
     precon = KFACPreconditioner(
         model,
-        relative_clip=None,
-        damping=0.01,
-        statistics=StatisticsConfig(loss_average='batch+sequence'),
-        **kwargs,  # type: ignore[arg-type]  # keyword options of the preconditioner
+        **{
+            'relative_clip': None,
+            'damping': 0.01,
+            'statistics': StatisticsConfig(loss_average='batch+sequence'),
+            **kwargs,
+        },  # type: ignore[arg-type]  # keyword options of the preconditioner
     )
     _loss(model(idx), y).backward()
     precon.step()
@@ -130,7 +133,9 @@ def test_tied_factors_and_gradient_equal_the_documented_combination(
     model = TiedLM(7).double()
     idx, y = _data(7)
     ref, v = _reference(model, idx, y)
-    precon = _step(model, idx, y, compute_method=method, factor_rank=rank)
+    precon = _step(
+        model, idx, y, compute_method=method_config(method, factor_rank=rank)
+    )
     assert list(precon.layers) == ['wte', 'mix']
     layer = precon.layers['wte']
     uses = {f.name: f.value for f in layer.factors}
@@ -165,7 +170,15 @@ def test_tied_tiles_combine_each_vocabulary_block() -> None:
     model = TiedLM(10).double()
     idx, y = _data(10)
     ref, v = _reference(model, idx, y)
-    precon = _step(model, idx, y, max_factor_dim=4, compute_method='eigen')
+    precon = _step(
+        model,
+        idx,
+        y,
+        statistics=StatisticsConfig(
+            max_factor_dim=4, loss_average='batch+sequence'
+        ),
+        compute_method='eigen',
+    )
     assert list(precon.layers) == [f'wte.block{k}' for k in range(3)] + ['mix']
     grad = model.wte.weight.grad
     assert grad is not None

@@ -111,7 +111,8 @@ def test_embedding_preconditions_like_a_linear_on_one_hot_inputs(
     """With `padding_idx` the twin's padding column gets no gradient
     either (PyTorch gives the embedding's padding row none).
     """
-    check_twin(padding_idx, shape, batch_first=batch_first, **method)
+    statistics = StatisticsConfig(batch_first=batch_first)
+    check_twin(padding_idx, shape, statistics=statistics, **method)
 
 
 @pytest.mark.parametrize(('shape', 'batch_first'), LAYOUTS[:2])
@@ -121,9 +122,10 @@ def test_token_averaged_loss_counts_positions_like_the_twin(
     """`loss_average='batch+sequence'`: `G` averages over the `N T`
     positions the embedding reads from its output gradient's layout.
     """
-    check_twin(
-        None, shape, batch_first=batch_first, loss_average='batch+sequence'
+    statistics = StatisticsConfig(
+        batch_first=batch_first, loss_average='batch+sequence'
     )
+    check_twin(None, shape, statistics=statistics)
 
 
 def test_model_wide_reduce_leaves_embeddings_at_expand() -> None:
