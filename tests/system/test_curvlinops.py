@@ -66,6 +66,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kfac.config import StatisticsConfig
 from testing.asserts import assert_rel_close
 from testing.curvlinops import Factors
 from testing.curvlinops import curvlinops_factors
@@ -232,9 +233,10 @@ def compare(
         num_per_example_loss_terms=p,
         kfac_approx=kfac_approx,
     )
-    ours = kfac_factors(
-        model, loss, x, y, kfac_approx=kfac_approx, loss_average=loss_average
+    statistics = StatisticsConfig(
+        kfac_approx=kfac_approx, loss_average=loss_average
     )
+    ours = kfac_factors(model, loss, x, y, statistics=statistics)
     label = f'{type(model).__name__} {kfac_approx} {loss_average}'
     assert_factors_match(ours, theirs, model, g_ratio, label)
 

@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kfac.config import StatisticsConfig
 from kfac.layers.curvature.ekfac import EKFACCurvature
 from kfac.math import eigen_precondition
 from kfac.preconditioner import KFACPreconditioner
@@ -63,7 +64,10 @@ def ours(
 ) -> dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
     """`(Q_A, Q_G, S)` of every layer after one step on `(x, y)`."""
     precon = KFACPreconditioner(
-        model, compute_method='ekfac', relative_clip=None, **kw
+        model,
+        compute_method='ekfac',
+        relative_clip=None,
+        statistics=StatisticsConfig(**kw),
     )
     F.cross_entropy(model(x), y).backward()
     precon.step()

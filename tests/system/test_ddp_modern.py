@@ -74,7 +74,7 @@ def _train(config: dict[str, Any], part: oracle.Part) -> torch.Tensor:
             'factor_update_steps': 1,
             'inv_update_steps': 2,
             'damping': 0.01,
-            'relative_clip': 0.01,
+            'kl_clip': 0.01,
             'statistics': fsdp.statistics(),
             **config,
         },

@@ -23,7 +23,7 @@ OPTIONS: dict[str, Any] = {
     'factor_update_steps': 1,
     'inv_update_steps': 2,
     'damping': 0.01,
-    'relative_clip': 0.01,
+    'kl_clip': 0.01,
 }
 
 

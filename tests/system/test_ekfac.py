@@ -99,10 +99,17 @@ def one_step(
     loss: Loss,
     x: torch.Tensor,
     y: torch.Tensor,
-    **kw: Any,
+    *,
+    update_factors_in_hook: bool = True,
+    **statistics: Any,
 ) -> KFACPreconditioner:
+    """One EKFAC step with the statistics options `statistics`."""
     precon = KFACPreconditioner(
-        model, compute_method='ekfac', relative_clip=None, **kw
+        model,
+        compute_method='ekfac',
+        relative_clip=None,
+        update_factors_in_hook=update_factors_in_hook,
+        statistics=StatisticsConfig(**statistics),
     )
     loss(model(x), y).backward()
     precon.step()

@@ -52,7 +52,7 @@ def configurations(world_size: int) -> list[dict[str, Any]]:
                 'factor_update_steps': 1,
                 'inv_update_steps': 2,
                 'damping': 0.01,
-                'relative_clip': 0.01,
+                'kl_clip': 0.01,
                 'lr': 0.1,
                 **method,
             }
