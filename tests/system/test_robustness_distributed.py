@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kfac import math as kmath
-from kfac.layers import eigen as eigen_module
+from kfac.layers.curvature import eigen as eigen_module
 from kfac.layers.decomposition import LinAlgError
 from kfac.preconditioner import KFACPreconditioner
 from testing.distributed import DistributedTestError
