@@ -10,7 +10,8 @@ for the conventions). Their base,
 [`LinearModuleHelper`][kfac.layers.modules.LinearModuleHelper] here, the
 convolution helper in [`kfac.layers.conv`][kfac.layers.conv] and the
 others beside their modules (embedding, attention, tied and tiled
-weights). This module exports the helpers of the design contract.
+weights). This module also exports the helpers the original KAISA code
+exposed here (`ModuleHelper`, `LinearModuleHelper`, `Conv2dModuleHelper`).
 """
 
 from __future__ import annotations

@@ -160,7 +160,7 @@ def _side(
 
 def lowrank_eigen_precondition(
     grad: torch.Tensor,
-    a: tuple[torch.Tensor, torch.Tensor],
+    a: tuple[torch.Tensor | None, torch.Tensor],
     g: tuple[torch.Tensor, torch.Tensor],
     damping: float | torch.Tensor,
 ) -> torch.Tensor:
@@ -170,21 +170,24 @@ def lowrank_eigen_precondition(
         grad: `V`, `(out, in[+1])`.
         a: `(Q_A, values)` of `A`: `Q_A` `(n, k)` with the `k + 1` values
             `(d_1, …, d_k, c)` (low rank, `k < n`), or `(n, n)` with its
-            `n` eigenvalues (whole).
-        g: the same for `G`.
+            `n` eigenvalues (whole); `Q_A` None for a diagonal `A` (its
+            eigenvectors the identity, its values its diagonal).
+        g: the same for `G` (never diagonal).
         damping: `λ` (a float or a 0-d tensor).
 
     Returns:
         `V'` of `grad`'s shape (see the module docstring).
     """
     qa, qg = a[0], g[0]
-    da, ca = _side(qa, a[1])
+    da, ca = (a[1], None) if qa is None else _side(qa, a[1])
     dg, cg = _side(qg, g[1])
-    y = grad @ qa  # (out, k_A)
+    y = grad if qa is None else grad @ qa  # (out, k_A)
     yk = qg.T @ y  # (k_G, k_A)
     left = qg @ (yk / (torch.outer(dg, da) + damping))
     if cg is not None:  # P⊥_G V Q_A, scaled per column
         left = left + (y - qg @ yk) / (cg * da + damping)
+    if qa is None:
+        return left
     out = left @ qa.T
     if ca is None:
         return out
@@ -213,11 +216,15 @@ def lowrank_damped_inverse(
 def _apply_inverse(
     grad: torch.Tensor, side: tuple[torch.Tensor, ...], left: bool
 ) -> torch.Tensor:
-    """`F⁻¹ V` (`left`) or `V F⁻¹` for a whole inverse `(F⁻¹,)` or a
-    low-rank one `(Q_k, w)`.
+    """`F⁻¹ V` (`left`) or `V F⁻¹` for a whole inverse `(F⁻¹,)` (on the
+    `A` side its diagonal `(n,)` for a diagonal factor) or a low-rank one
+    `(Q_k, w)`.
     """
     if len(side) == 1:
-        return side[0] @ grad if left else grad @ side[0]
+        inverse = side[0]
+        if inverse.dim() == 1:  # a diagonal factor's, on the A side
+            return grad * inverse
+        return inverse @ grad if left else grad @ inverse
     q, w = side
     if left:
         return grad * w[-1] + q @ ((q.T @ grad) * w[:-1].unsqueeze(1))

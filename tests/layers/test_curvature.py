@@ -95,6 +95,24 @@ def test_layer_refuses_what_is_not_a_curvature_config() -> None:
     )
 
 
+@dataclasses.dataclass(frozen=True)
+class WideOnlyConfig(CurvatureConfig):
+    """A method that refuses layers narrower than 4 inputs."""
+
+    name: ClassVar[str] = 'wide-only'
+
+    def make(self, layer: KFACBaseLayer) -> Identity:
+        if layer.helper.in_features < 4:
+            raise ValueError('needs at least 4 inputs')
+        return Identity(layer)
+
+
+def test_a_method_refusing_a_module_names_it() -> None:
+    helper = LinearModuleHelper(nn.Linear(3, 2))
+    with pytest.raises(ValueError, match="^module 'm': needs at least 4"):
+        make_layer('m', helper, method=WideOnlyConfig())
+
+
 def test_config_takes_a_method_object() -> None:
     config = KFACConfig(compute_method=IdentityConfig())
     assert config.curvature() == IdentityConfig()

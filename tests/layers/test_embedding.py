@@ -40,6 +40,7 @@ from testing.asserts import assert_rel_close
 from testing.reference import eigen_reference
 from testing.reference import inverse_reference
 from testing.reference import linear_factors
+from testing.reference import lowrank_plus_constant
 
 F64 = torch.float64
 VOCAB, DIM = 7, 3
@@ -278,6 +279,9 @@ LAYERS = [
     ),
     pytest.param(KFACEigenLayer, {}, id='eigen'),
     pytest.param(KFACInverseLayer, {}, id='inverse'),
+    # G at low rank beside the diagonal A (kept whole: exact at O(V))
+    pytest.param(KFACEigenLayer, {'factor_rank': 2}, id='eigen-lowrank'),
+    pytest.param(KFACInverseLayer, {'factor_rank': 2}, id='inverse-lowrank'),
 ]
 
 
@@ -311,6 +315,10 @@ def test_layer_preconditions_like_the_dense_solve(
     reference = (
         inverse_reference if cls is KFACInverseLayer else eigen_reference
     )
+    rank = kwargs.get('factor_rank')
+    if rank is not None:
+        assert layer.decomposition_format.endswith('_lowrank')
+        g_ref = lowrank_plus_constant(g_ref, rank)
     assert_rel_close(
         got,
         reference(a_ref, g_ref, v, 0.1),

@@ -237,14 +237,16 @@ class EigenCurvature(Curvature):
         damping: float,
     ) -> torch.Tensor:
         dims = self.low_rank.dims()
-        shift = effective_damping(
-            damping,
-            self.config.damping_mode,
-            lambda: (
-                mean_eigenvalue(a[1], dims['A'], self.low_rank.rank('A')),
-                mean_eigenvalue(g[1], dims['G'], self.low_rank.rank('G')),
-            ),
-        )
-        return lowrank_eigen_precondition(
-            grad, (a[0], a[1]), (g[0], g[1]), shift
-        )
+        side = (None, a[0]) if len(a) == 1 else (a[0], a[1])  # diagonal A
+
+        def means() -> tuple[torch.Tensor, torch.Tensor]:
+            rank = self.low_rank.rank
+            mean_a = (
+                side[1].mean()
+                if side[0] is None
+                else mean_eigenvalue(side[1], dims['A'], rank('A'))
+            )
+            return mean_a, mean_eigenvalue(g[1], dims['G'], rank('G'))
+
+        shift = effective_damping(damping, self.config.damping_mode, means)
+        return lowrank_eigen_precondition(grad, side, (g[0], g[1]), shift)

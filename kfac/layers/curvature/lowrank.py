@@ -73,9 +73,8 @@ class LowRank:
         layer: the layer.
         rank: `factor_rank`.
 
-    Raises:
-        ValueError: a factor would be kept at low rank in a layer with a
-            diagonal `A` (an embedding).
+    A diagonal factor (an embedding's `A`) is kept whole: it is exact at
+    `O(n)` already, and its eigenvectors are the identity.
     """
 
     def __init__(self, layer: KFACBaseLayer, rank: int | None) -> None:
@@ -85,14 +84,6 @@ class LowRank:
             if not layer.factor(name).diagonal
         }
         self.k = rank
-        if rank is not None and self and len(self._dims) < 2:
-            raise ValueError(
-                f'factor_rank={rank} for {layer}: the low-rank form needs two '
-                'dense factors, and the A of an embedding is diagonal (kept '
-                'exactly at O(V) already; a low-rank G beside it is not '
-                'implemented): set factor_rank=None for it with '
-                'module_options',
-            )
 
     def __bool__(self) -> bool:
         k = self.k
