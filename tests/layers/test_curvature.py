@@ -22,6 +22,7 @@ from kfac.layers.curvature import EigenConfig
 from kfac.layers.curvature import InverseConfig
 from kfac.layers.curvature.base import Layout
 from kfac.layers.embedding import EmbeddingModuleHelper
+from kfac.layers.factory import make_layer
 from kfac.layers.modules import LinearModuleHelper
 from kfac.layers.options import ModuleOptions
 from kfac.preconditioner import KFACPreconditioner
