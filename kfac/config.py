@@ -439,6 +439,13 @@ def _parse_method(method: object) -> ComputeMethod | CurvatureConfig:
     """
     if isinstance(method, CurvatureConfig):
         return method
+    if not isinstance(method, str):
+        raise TypeError(
+            'compute_method must be a ComputeMethod, one of the strings '
+            "'eigen', 'inverse', 'ekfac', or a CurvatureConfig (such as "
+            f'kfac.EigenConfig(...)); got {method!r} of type '
+            f'{type(method).__name__}',
+        )
     return parse_enum(ComputeMethod, method, 'compute_method')
 
 

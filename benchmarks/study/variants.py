@@ -38,8 +38,8 @@ VARIANTS: dict[str, dict[str, Any]] = {
     'noclip': {'relative_clip': None},
     'clip10': {'relative_clip': 10.0},
     'mc': {'fisher_type': 'mc'},
-    # (the GPT's tied embedding and head keep whole factors: the low-rank
-    # form does not apply to a tied weight)
+    # (the GPT's tied embedding and head keep whole factors, as when these
+    # were measured: the low-rank form did not apply to a tied weight then)
     'rank64': {
         'factor_rank': 64,
         'module_options': {'embed|head': {'factor_rank': None}},

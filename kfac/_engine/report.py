@@ -9,14 +9,32 @@ and the layers; logged at `INFO` and returned by its `describe()`.
 from __future__ import annotations
 
 import dataclasses
+import enum
 import math
 from collections.abc import Mapping
 from typing import Any
 
 from kfac.layers.base import KFACBaseLayer
 from kfac.layers.blocks import BlockHelper
+from kfac.layers.curvature.base import CurvatureConfig
 from kfac.layers.register import Registration
 from kfac.layers.tied import TiedHelper
+
+
+def describe_method(config: CurvatureConfig) -> str:
+    """`config` as the report shows it: the method's name and options,
+    choices by their values (`eigen(basis_refresh='qr', ...)`).
+    """
+    fields = ', '.join(
+        f'{field.name}={_plain(getattr(config, field.name))}'
+        for field in dataclasses.fields(config)
+    )
+    return f'{config.name}({fields})'
+
+
+def _plain(value: object) -> str:
+    """`repr` of `value`, of a choice's value for an enum member."""
+    return repr(value.value if isinstance(value, enum.Enum) else value)
 
 
 def describe_registration(
@@ -44,7 +62,12 @@ def describe_registration(
     """
     preconditioned = []
     for name, layer in layers.items():
-        options = dataclasses.asdict(registration.options[name])
+        resolved = registration.options[name]
+        options: dict[str, Any] = {
+            field.name: getattr(resolved, field.name)
+            for field in dataclasses.fields(resolved)
+        }
+        options['compute_method'] = describe_method(layer.method)
         sources = registration.sources[name]
         size = layer.factor_dtype.itemsize
         preconditioned.append(

@@ -102,7 +102,8 @@ class KFACBaseLayer:
         )
         self.helper = module
         """The module's helper."""
-        self._method = config.name
+        self.method = config
+        """The method and its options this layer was built with."""
         self.statistics: LayerStatistics = make_statistics(
             module,
             factor_dtype=factor_dtype,
@@ -129,7 +130,8 @@ class KFACBaseLayer:
             self.statistics.keep_examples()
 
     def __repr__(self) -> str:
-        return f'{type(self).__name__}({self.helper.module!r}, {self._method})'
+        name, module = type(self).__name__, self.helper.module
+        return f'{name}({module!r}, {self.method.name})'
 
     @property
     def module(self) -> ModuleHelper:

@@ -23,7 +23,9 @@ class KFACEigenLayer(KFACBaseLayer):
         module: helper of the module.
         prediv_eigenvalues: precompute `1 / (d_G d_Aᵀ + λ)` on the inverse
             worker (see
-            [`EigenConfig`][kfac.layers.curvature.eigen.EigenConfig]).
+            [`EigenConfig`][kfac.layers.curvature.eigen.EigenConfig]);
+            off by default here, as in the original's layer, where
+            `EigenConfig` (and the preconditioner) default to it.
         basis_refresh: `'eigh'` or `'qr'` (see `EigenConfig`).
         damping_mode: `'absolute'` or `'relative'` (see `EigenConfig`).
         factor_rank: keep dense factors longer than this at low rank.

@@ -1,10 +1,10 @@
 """Building the layer of one registered module from its options.
 
-Every layer is a [`KFACBaseLayer`][kfac.layers.base.KFACBaseLayer]; the
-method (a [`CurvatureConfig`][kfac.layers.curvature.base.CurvatureConfig])
-builds its curvature, and a module's `factor_rank` (see
-[`ModuleOptions`][kfac.layers.options.ModuleOptions]) becomes that
-method's option.
+Every layer is a [`KFACBaseLayer`][kfac.layers.base.KFACBaseLayer]; its
+method (a [`CurvatureConfig`][kfac.layers.curvature.base.CurvatureConfig]:
+the module's own `compute_method` from `module_options`, see
+[`ModuleOptions`][kfac.layers.options.ModuleOptions], else the model-wide
+one) builds its curvature.
 """
 
 from __future__ import annotations
