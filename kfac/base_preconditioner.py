@@ -29,8 +29,6 @@ from kfac._engine.factors import FactorUpdates
 from kfac._engine.loss_scale import GradScalerLike
 from kfac._engine.loss_scale import check_grad_scaler
 from kfac._engine.preconditioning import precondition
-from kfac._engine.saving import load_layers
-from kfac._engine.saving import save_layers
 from kfac.assignment import WorkAssignment
 from kfac.config import EngineOptions
 from kfac.distributed import TorchDistributedCommunicator
@@ -39,6 +37,8 @@ from kfac.hyperparams import HyperparameterValues
 from kfac.hyperparams import OptimizerLR
 from kfac.layers.base import KFACBaseLayer
 from kfac.state import StateDict
+from kfac.state import load_layers
+from kfac.state import save_layers
 from kfac.tracing import ClipMonitor
 from kfac.tracing import Faults
 from kfac.tracing import PhaseTimer
