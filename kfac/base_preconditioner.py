@@ -23,17 +23,12 @@ from torch import nn
 
 from kfac._engine.capture import Capture
 from kfac._engine.curvature_updates import CurvatureUpdates
+from kfac._engine.decompositions import decompose
 from kfac._engine.distributor import make_distributor
+from kfac._engine.factors import FactorUpdates
 from kfac._engine.loss_scale import GradScalerLike
 from kfac._engine.loss_scale import check_grad_scaler
-from kfac._engine.metrics import plot_metrics
-from kfac._engine.phases import ClipMonitor
-from kfac._engine.phases import FactorUpdates
-from kfac._engine.phases import Faults
-from kfac._engine.phases import decompose
-from kfac._engine.phases import precondition
-from kfac._engine.saving import load_layers
-from kfac._engine.saving import save_layers
+from kfac._engine.preconditioning import precondition
 from kfac.assignment import WorkAssignment
 from kfac.config import EngineOptions
 from kfac.distributed import TorchDistributedCommunicator
@@ -42,9 +37,14 @@ from kfac.hyperparams import HyperparameterValues
 from kfac.hyperparams import OptimizerLR
 from kfac.layers.base import KFACBaseLayer
 from kfac.state import StateDict
+from kfac.state import load_layers
+from kfac.state import save_layers
+from kfac.tracing import ClipMonitor
+from kfac.tracing import Faults
 from kfac.tracing import PhaseTimer
 from kfac.tracing import fault_counts
 from kfac.tracing import memory_totals
+from kfac.tracing import plot_metrics
 from kfac.validation import check_bool
 from kfac.validation import check_instance
 from kfac.validation import check_mapping

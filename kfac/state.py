@@ -1,4 +1,4 @@
-"""The format of a preconditioner's saved state: parse and serialise.
+"""A preconditioner's saved state: its format, and how layers give theirs.
 
 Pure functions between the plain mapping that
 [`state_dict()`][kfac.base_preconditioner.BaseKFACPreconditioner.state_dict]
@@ -45,7 +45,9 @@ and keeps a loader for the previous version (see `CHANGELOG.md`).
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from collections.abc import Mapping
+from typing import Protocol
 from typing import TypedDict
 
 import torch
@@ -400,3 +402,86 @@ def _options(options: object) -> dict[str, str | int]:
             f'{seed!r}; allowed: an int in [0, 2**31 - 1)',
         )
     return dict(options)
+
+
+# Assembling and applying the state of a preconditioner's layers ----------
+
+
+class StatefulLayer(Protocol):
+    """What `save_layers` and `load_layers` need of a layer (a
+    [`KFACBaseLayer`][kfac.layers.base.KFACBaseLayer] has it).
+    """
+
+    @property
+    def has_factors(self) -> bool:
+        """Whether the layer's running factors exist."""
+        ...
+
+    def state_spec(self) -> LayerSpec:
+        """What the layer's saved state must look like."""
+        ...
+
+    def saved_state(self, include_decompositions: bool) -> SavedLayer:
+        """The layer's state."""
+        ...
+
+    def load_saved_state(self, saved: SavedLayer, keep: bool) -> bool:
+        """Restore `saved`; whether it had decompositions."""
+        ...
+
+
+def save_layers(
+    steps: int,
+    hyperparameters: Mapping[str, float | int | None],
+    layers: Mapping[str, StatefulLayer],
+    *,
+    options: Mapping[str, str | int],
+    include_decompositions: bool,
+) -> StateDict:
+    """The state of a preconditioner at `steps` with these constant
+    hyperparameters, engine options and layers, each saving its own.
+    """
+    saved = {
+        name: layer.saved_state(include_decompositions)
+        for name, layer in layers.items()
+    }
+    return serialize_state(
+        SavedState(steps, dict(hyperparameters), saved, dict(options)),
+        include_decompositions=include_decompositions,
+    )
+
+
+def load_layers(
+    state: object,
+    layers: Mapping[str, StatefulLayer],
+    keep: Callable[[str], bool],
+    *,
+    strict: bool,
+) -> tuple[SavedState, list[str], list[str]]:
+    """Check `state` against `layers`, then load each layer's part.
+
+    Args:
+        state: what `state_dict()` returned.
+        layers: the loading preconditioner's layers.
+        keep: whether this rank keeps a layer's saved decompositions (it
+            is a gradient worker of that layer).
+        strict: missing or unexpected layers are errors.
+
+    Returns:
+        The parsed state; the layers whose decompositions must be
+        recomputed (none saved); those whose saved ones were restored.
+
+    Raises:
+        TypeError, ValueError: see
+            [`parse_state`][kfac.state.parse_state]; nothing is loaded then.
+    """
+    specs = {name: layer.state_spec() for name, layer in layers.items()}
+    saved = parse_state(state, specs, strict=strict)
+    recompute, restored = [], []
+    for name, layer in layers.items():
+        entry = saved.layers.get(name, SavedLayer({}))
+        if not layer.load_saved_state(entry, keep=keep(name)):
+            recompute.append(name)
+        elif layer.has_factors:
+            restored.append(name)
+    return saved, recompute, restored

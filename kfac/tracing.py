@@ -1,13 +1,23 @@
-"""Wall-clock time of each phase of the K-FAC step, for benchmarks.
+"""What a preconditioner reports: faults, the clip, metrics and timings.
 
-Disabled by default (no cost). Enable with
-`preconditioner.timer = PhaseTimer()`; pass `sync=torch.cuda.synchronize`
-on GPUs so asynchronous kernels are charged to the phase that launched them.
+* Faults: [`Faults`][kfac.tracing.Faults] counts them and logs each kind
+  of warning once per layer; `fault_counts` gathers the layers' counters.
+* The clip of each step: [`ClipMonitor`][kfac.tracing.ClipMonitor] keeps
+  the last [`Clip`][kfac.tracing.Clip] and warns when K-FAC holds
+  training back.
+* Metrics to plot: factor traces, damping, K-FAC's share of the time
+  (`plot_metrics`), and memory by kind (`memory_totals`).
+* Wall-clock time of each phase of the step, for benchmarks: the
+  [`PhaseTimer`][kfac.tracing.PhaseTimer], disabled by default (no cost).
+  Enable with `preconditioner.timer = PhaseTimer()`; pass
+  `sync=torch.cuda.synchronize` on GPUs so asynchronous kernels are
+  charged to the phase that launched them.
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -15,7 +25,10 @@ from collections.abc import Iterable
 from collections.abc import Iterator
 from collections.abc import Mapping
 from typing import Any
+from typing import NamedTuple
 from typing import Protocol
+
+import torch
 
 Phase = Callable[[str], contextlib.AbstractContextManager[None]]
 """Times one phase of the step: `with phase('decomposition'): ...`."""
@@ -120,3 +133,162 @@ def memory_totals(layers: Iterable[_Counted]) -> dict[str, int]:
             usage[key] = usage.get(key, 0) + value
     usage['total'] = sum(usage.values())
     return usage
+
+
+class _Factor(Protocol):
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def value(self) -> torch.Tensor | None: ...
+
+    @property
+    def diagonal(self) -> bool: ...
+
+
+class _Traced(Protocol):
+    @property
+    def factors(self) -> tuple[_Factor, ...]: ...
+
+
+def factor_traces(
+    layers: Mapping[str, _Traced],
+) -> dict[str, dict[str, float]]:
+    """Per layer, `{'trace_A': tr A, 'trace_G': tr G}` of the factors
+    that exist (none before the first factor update).
+    """
+    keys: list[tuple[str, str]] = []
+    traces: list[torch.Tensor] = []
+    for name, layer in layers.items():
+        for factor in layer.factors:
+            value = factor.value
+            if value is not None:
+                keys.append((name, f'trace_{factor.name}'))
+                total = value.sum() if factor.diagonal else value.trace()
+                traces.append(total.double())
+    out: dict[str, dict[str, float]] = {name: {} for name in layers}
+    if traces:
+        device = traces[0].device
+        values = torch.stack([t.to(device) for t in traces]).tolist()
+        for (name, key), number in zip(keys, values, strict=True):
+            out[name][key] = number
+    return out
+
+
+def plot_metrics(
+    metrics: dict[str, Any],
+    layers: Mapping[str, _Traced],
+    damping: float,
+    timer: PhaseTimer | None,
+) -> dict[str, Any]:
+    """`metrics` (with a `'layers'` entry per layer) with the factor
+    traces merged in per layer, `'damping'` and, with `timer`,
+    `'kfac_time_share'`.
+    """
+    for name, traces in factor_traces(layers).items():
+        metrics['layers'][name].update(traces)
+    metrics['damping'] = damping
+    if timer is not None:
+        metrics['kfac_time_share'] = timer.share()
+    return metrics
+
+
+# Faults and the clip -------------------------------------------------------
+
+
+class Faults:
+    """Fault counters of the whole preconditioner, and warnings logged
+    once per `(kind, layer)`.
+
+    Args:
+        logger: where the warnings go.
+    """
+
+    def __init__(self, logger: logging.Logger) -> None:
+        self.logger = logger
+        self.counters: Counter[str] = Counter()
+        self._logged: set[tuple[str, str]] = set()
+
+    def once(self, key: str, name: str, msg: str, *args: object) -> None:
+        """Log `msg % args` unless `(key, name)` was logged before."""
+        if (key, name) not in self._logged:
+            self._logged.add((key, name))
+            self.logger.warning(msg, *args)
+
+
+class Clip(NamedTuple):
+    """What the clip of one step did."""
+
+    scale: float
+    """`ν`, the factor every preconditioned gradient was multiplied by
+    (1.0 without a clip)."""
+    ratio: float
+    """`‖ν V'‖ / ‖V‖` over all preconditioned layers."""
+    kl_scale: float | None = None
+    """`ν_KL`, the KL clip's own bound (None without `kl_clip`)."""
+
+
+class ClipMonitor:
+    """The last step's [`Clip`][kfac.tracing.Clip], and a warning
+    when K-FAC holds training back, each logged once: the KL clip's `ν_KL`
+    below 0.1 on each of 100 consecutive steps (the learning rate then
+    hardly changes the step); the norm ratio below 0.01 on each of 100
+    consecutive steps.
+
+    A small `ν` from `relative_clip` alone only means that the step is held
+    at `ρ` times the raw gradient's length, which the learning rate still
+    scales.
+
+    Args:
+        faults: where warnings go.
+    """
+
+    WINDOW = 100
+    LOW_SCALE = 0.1
+    LOW_RATIO = 0.01
+
+    def __init__(self, faults: Faults) -> None:
+        self.faults = faults
+        self.last: Clip | None = None
+        self._low_scale = self._low_ratio = 0
+
+    def metrics(self) -> dict[str, float | None]:
+        """`kl_clip_scale` and `grad_norm_ratio` of the last step."""
+        last = self.last
+        return {
+            'kl_clip_scale': None if last is None else last.scale,
+            'grad_norm_ratio': None if last is None else last.ratio,
+        }
+
+    def record(self, clip: Clip) -> None:
+        """Keep `clip`; warn once when a run of low values is long."""
+        self.last = clip
+        kl = clip.kl_scale
+        low_scale = kl is not None and kl < self.LOW_SCALE
+        low_ratio = clip.ratio < self.LOW_RATIO
+        self._low_scale = self._low_scale + 1 if low_scale else 0
+        self._low_ratio = self._low_ratio + 1 if low_ratio else 0
+        if self._low_scale >= self.WINDOW:
+            self.faults.once(
+                'clip-scale',
+                '',
+                'K-FAC: the KL clip scaled the preconditioned gradients by '
+                'less than %g on each of the last %d steps (kl_clip_scale '
+                '%.3g), so the learning rate hardly changes the step; raise '
+                'kl_clip, or clip with relative_clip instead (kl_clip=None)',
+                self.LOW_SCALE,
+                self.WINDOW,
+                kl,
+            )
+        if self._low_ratio >= self.WINDOW:
+            self.faults.once(
+                'norm-ratio',
+                '',
+                'K-FAC: the gradients handed to the optimizer were less '
+                'than %g times as long as the raw gradients on each of the '
+                'last %d steps (grad_norm_ratio %.3g); lower damping, or '
+                'raise kl_clip if kl_clip_scale is small too',
+                self.LOW_RATIO,
+                self.WINDOW,
+                clip.ratio,
+            )

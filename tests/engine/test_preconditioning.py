@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kfac import base_preconditioner
-from kfac._engine import phases
+from kfac._engine import preconditioning
 from kfac.hyperparams import OptimizerLR
 from kfac.math import kl_clip_scale
 from kfac.preconditioner import KFACPreconditioner
@@ -208,7 +208,7 @@ def test_an_lr_schedule_on_the_optimizer_reaches_the_clip(
     that step, whatever was read in between.
     """
     used = []
-    real = phases.precondition
+    real = preconditioning.precondition
 
     def spy(*args: Any, **kwargs: Any) -> None:
         used.append(args[2].lr)
