@@ -19,6 +19,7 @@ from kfac.layers.curvature import Curvature
 from kfac.layers.curvature import CurvatureConfig
 from kfac.layers.curvature import Decomposed
 from kfac.layers.curvature import EigenConfig
+from kfac.layers.curvature import EKFACConfig
 from kfac.layers.curvature import InverseConfig
 from kfac.layers.curvature.base import Layout
 from kfac.layers.embedding import EmbeddingModuleHelper
@@ -183,3 +184,19 @@ def test_whole_config_or_keywords_not_both() -> None:
         KFACPreconditioner(TinyMLP(), config={'compute_method': 'eigen'})  # type: ignore[arg-type]  # wrong on purpose
     with pytest.raises(TypeError, match='statistics must be a'):
         KFACConfig(statistics={'batch_first': False})  # type: ignore[arg-type]  # wrong on purpose
+
+
+def test_library_curvatures_name_their_options() -> None:
+    """Each curvature's repr shows its method's config; an EKFAC layer
+    moved before its scaling exists moves nothing of it.
+    """
+    helper = LinearModuleHelper(nn.Linear(4, 3).double())
+    for config in (EigenConfig(), InverseConfig(), EKFACConfig()):
+        layer = KFACBaseLayer(helper, curvature=config)
+        assert repr(layer.curvature) == (
+            f'{type(layer.curvature).__name__}({config})'
+        )
+    ekfac = KFACBaseLayer(helper, curvature=EKFACConfig())
+    helper.module.float()
+    assert ekfac.follow_module()
+    assert ekfac.curvature.saved_statistics() == {}
