@@ -415,6 +415,12 @@ class KFACConfig:
             return EKFACConfig(prediv_eigenvalues=prediv)
         return InverseConfig()
 
+    def method(self, options: ModuleOptions) -> CurvatureConfig:
+        """The method of a module with resolved `options`: its own
+        `compute_method` (from `module_options`) or the model-wide one.
+        """
+        return options.compute_method or self.curvature()
+
     def make_layer(
         self, name: str, helper: ModuleHelper, options: ModuleOptions
     ) -> KFACBaseLayer:
@@ -425,7 +431,7 @@ class KFACConfig:
         return make_layer(
             name,
             helper,
-            method=options.compute_method or self.curvature(),
+            method=self.method(options),
             factor_dtype=self.factor_dtype,
             inv_dtype=self.inv_dtype,
             loss_average=self.statistics.loss_average,

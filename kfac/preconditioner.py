@@ -14,6 +14,8 @@ from typing import Literal
 import torch
 from torch import nn
 
+from kfac._engine.agreement import describe_setup
+from kfac._engine.agreement import setup_difference
 from kfac._engine.fisher import FisherSampler
 from kfac._engine.fsdp import check_model
 from kfac._engine.report import describe_registration
@@ -29,6 +31,7 @@ from kfac.config import KFACConfig
 from kfac.config import ShardingConfig
 from kfac.config import StatisticsConfig
 from kfac.distributed import TorchDistributedCommunicator
+from kfac.distributed import gather_if_different
 from kfac.distributed import get_rank
 from kfac.distributed import get_world_size
 from kfac.enums import AssignmentStrategy
@@ -38,6 +41,7 @@ from kfac.hyperparams import Hyperparameters
 from kfac.hyperparams import OptimizerLike
 from kfac.hyperparams import OptimizerLR
 from kfac.hyperparams import check_optimizers
+from kfac.layers.base import KFACBaseLayer
 from kfac.layers.curvature import CurvatureConfig
 from kfac.layers.sampling import SampleKey
 from kfac.math.fisher import parse_fisher
@@ -55,7 +59,11 @@ class KFACPreconditioner(BaseKFACPreconditioner):
     Call [`step`][kfac.base_preconditioner.BaseKFACPreconditioner.step]
     between `loss.backward()` and `optimizer.step()`. Works on one process
     without `torch.distributed` and, initialised, with a DDP-wrapped model
-    on any number of ranks. The options are validated by
+    on any number of ranks, each of which builds it from the same model
+    with the same options: the constructor compares the ranks' setups (one
+    all-gather of a digest) and raises a `ValueError` on every rank,
+    naming the first difference, if they differ (see the distributed
+    guide). The options are validated by
     [`Hyperparameters`][kfac.hyperparams.Hyperparameters] (the schedulable
     ones) and [`KFACConfig`][kfac.config.KFACConfig] (the others),
     which `config` holds. The defaults are the time-to-target study's;
@@ -239,10 +247,27 @@ class KFACPreconditioner(BaseKFACPreconditioner):
             )
             for name, helper in self.registration.helpers.items()
         }
+        communicator = TorchDistributedCommunicator(
+            bucket_cap_mb=config.allreduce_bucket_cap_mb,
+            symmetry_aware=config.symmetry_aware,
+        )
+        world_size = get_world_size()
+        if world_size > 1:  # before any other collective of K-FAC
+            _check_agreement(
+                communicator,
+                describe_setup(
+                    config,
+                    hyperparameters,
+                    self.registration,
+                    layers,
+                    world_size,
+                ),
+                layers,
+            )
         assignment = KAISAAssignment(
             decomposition_work(layers, config.assignment_strategy),
             local_rank=get_rank(),
-            world_size=get_world_size(),
+            world_size=world_size,
             grad_worker_fraction=config.grad_worker_fraction,
             colocate_factors=config.colocate_factors,
             shared_bases=[n for n, x in layers.items() if x.bases_everywhere],
@@ -260,10 +285,7 @@ class KFACPreconditioner(BaseKFACPreconditioner):
             hyperparameters=hyperparameters,
             options=config.engine_options(),
             grad_scaler=grad_scaler,
-            communicator=TorchDistributedCommunicator(
-                bucket_cap_mb=config.allreduce_bucket_cap_mb,
-                symmetry_aware=config.symmetry_aware,
-            ),
+            communicator=communicator,
             aliases={
                 name: [modules[alias] for alias in names]
                 for name, names in self.registration.aliases.items()
@@ -353,6 +375,26 @@ class KFACPreconditioner(BaseKFACPreconditioner):
                     'preconditioner to precondition it',
                     name,
                 )
+
+
+def _check_agreement(
+    communicator: TorchDistributedCommunicator,
+    description: list[tuple[str, str]],
+    layers: Mapping[str, KFACBaseLayer],
+) -> None:
+    """Compare this rank's setup with every other rank's (every rank
+    calls this, before any other K-FAC collective).
+
+    Raises:
+        ValueError: the setups differ (the same message on every rank,
+            naming the first difference).
+        KFACDistributedError: the collective failed.
+    """
+    device = next(iter(layers.values())).device
+    gathered = gather_if_different(communicator, description, device=device)
+    message = None if gathered is None else setup_difference(gathered)
+    if message is not None:
+        raise ValueError(message)
 
 
 def _relative_clip(

@@ -14,17 +14,22 @@ an initialised process group:
   [`fill_triu`][kfac.distributed.fill_triu]: a symmetric matrix as its
   packed upper triangle and back;
 * [`default_group_func`][kfac.distributed.default_group_func]: the process
-  groups of a KAISA assignment.
+  groups of a KAISA assignment;
+* [`gather_if_different`][kfac.distributed.gather_if_different]: the check,
+  at construction, that every rank built the same setup (one all-gather of
+  a digest; the descriptions only when they differ).
 
 The private modules hold the machinery: handles, buckets, packing, the
-exchanges of one step (factors, decompositions, gradients) and the
-gathers and scatters of sharded gradients. No module of `kfac` outside this
-package issues a collective (`torch.distributed.checkpoint` in
-[`kfac.checkpoint`][kfac.checkpoint] excepted).
+exchanges of one step (factors, decompositions, gradients), the gathers
+and scatters of sharded gradients, and the setup check. No module of
+`kfac` outside this package issues a collective
+(`torch.distributed.checkpoint` in [`kfac.checkpoint`][kfac.checkpoint]
+excepted).
 """
 
 from __future__ import annotations
 
+from kfac.distributed._agreement import gather_if_different
 from kfac.distributed._communicator import TorchDistributedCommunicator
 from kfac.distributed._groups import GroupFunc
 from kfac.distributed._groups import default_group_func
@@ -42,6 +47,7 @@ __all__ = [
     'TorchDistributedCommunicator',
     'default_group_func',
     'fill_triu',
+    'gather_if_different',
     'get_rank',
     'get_triu',
     'get_world_size',

@@ -81,9 +81,9 @@ class TorchDistributedCommunicator:
     tensors of the same shape and dtype (see the module docstring).
     `bytes_communicated` and `collectives_started` count, per kind
     (`'allreduce'`, `'broadcast'`, `'allgather'`, `'scatter'`: only the
-    source's bytes), the payload bytes this
-    rank handed to collectives and how many it started; completed
-    world-size-1 shortcuts are not counted.
+    source's bytes; `'agreement'`: the setup check of construction), the
+    payload bytes this rank handed to collectives and how many it started;
+    completed world-size-1 shortcuts are not counted.
     [`reset_stats`][kfac.distributed.TorchDistributedCommunicator.reset_stats]
     zeroes them.
 
@@ -333,6 +333,45 @@ class TorchDistributedCommunicator:
         future = start_broadcast(buffer, src, group)
         self._keep(future)
         return then_finish(future, buffer, entry, size)
+
+    def all_gather(
+        self,
+        tensor: torch.Tensor,
+        *,
+        group: ProcessGroup | None = None,
+        kind: str = 'allgather',
+    ) -> Handle:
+        """Start gathering every rank's `tensor` over `group`.
+
+        Called by every rank of `group` in the same order with tensors of
+        the same shape and dtype. `tensor` is read, never written.
+
+        Args:
+            tensor: the local contribution.
+            group: the process group; the default group if None.
+            kind: the key of `collectives_started` and
+                `bytes_communicated` it is counted under (the setup check
+                of construction counts as `'agreement'`).
+
+        Returns:
+            A handle to a `(size, *tensor.shape)` tensor whose `i`-th
+                entry is the tensor of the group's `i`-th rank, identical
+                on every rank.
+
+        Raises:
+            TypeError: `tensor` is not a tensor.
+            ValueError: this rank is not a member of `group`.
+        """
+        _check_tensor(tensor, symmetric=False, average=False)
+        size = group_size(group)
+        if size == 1:
+            return completed(tensor.unsqueeze(0))
+        buffer = tensor.reshape(-1)  # gloo gathers flat buffers only
+        out = buffer.new_empty(size * buffer.numel())
+        self._record(kind, buffer)
+        future = start_all_gather(out, buffer, group_key(group))
+        self._keep(future, buffer)  # the future's value holds only `out`
+        return DeferredHandle(future, lambda: out.view(size, *tensor.shape))
 
     def all_gather_rows(
         self,

@@ -47,6 +47,7 @@ __all__ = [
     'block_mask',
     'gather_grads',
     'is_sharded',
+    'layout',
     'local_grads',
     'owned_entries',
     'owner_labels',
@@ -89,6 +90,20 @@ class RowShard:
 def is_sharded(param: torch.Tensor) -> bool:
     """Whether `param` is a DTensor."""
     return isinstance(param, _dtensor())
+
+
+def layout(param: torch.Tensor) -> str:
+    """How `param` is laid out over ranks, as text that ranks compare:
+    `'not sharded'` for a plain tensor, else the DTensor's placements and
+    the shape of its device mesh (`'Shard(dim=0) over mesh (4,)'` under
+    FSDP2, `'Replicate(), Shard(dim=0) over mesh (2, 2)'` under HSDP).
+    Reads the parameter only: no collective.
+    """
+    if not is_sharded(param):
+        return 'not sharded'
+    placements = ', '.join(map(repr, param.placements))  # type: ignore[attr-defined]  # a DTensor
+    mesh = tuple(param.device_mesh.shape)  # type: ignore[attr-defined]  # a DTensor
+    return f'{placements} over mesh {mesh}'
 
 
 def row_shard(param: torch.Tensor) -> RowShard | None:

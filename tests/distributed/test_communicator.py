@@ -144,6 +144,17 @@ def test_single_process_scatter_copies_the_only_chunk() -> None:
     assert not comm.bytes_communicated  # a one-rank shortcut
 
 
+def test_single_process_all_gather_stacks_the_input() -> None:
+    comm = TorchDistributedCommunicator()
+    tensor = torch.arange(6.0).reshape(2, 3)
+    handle = comm.all_gather(tensor)
+    assert handle.done()
+    assert_same(handle.wait(), tensor[None])
+    assert not comm.collectives_started  # a one-rank shortcut
+    with pytest.raises(TypeError, match=r'tensor must be a torch\.Tensor'):
+        comm.all_gather([1.0])  # type: ignore[arg-type]  # wrong on purpose
+
+
 def test_single_process_argument_errors() -> None:
     comm = TorchDistributedCommunicator(symmetry_aware=True)
     with pytest.raises(ValueError, match=r'src=1 is not a member.*\[0\]'):
@@ -390,6 +401,38 @@ def check_broadcast(groups: Sequence[Group]) -> None:
                 plain.broadcast(torch.zeros(2), src=src, group=group.group)
 
 
+def check_all_gather(groups: Sequence[Group]) -> None:
+    comm = TorchDistributedCommunicator()
+    rank = get_rank()
+    shapes: list[tuple[int, ...]] = [(), (4,), (2, 3)]
+
+    def value(
+        seed: int, rank: int, shape: tuple[int, ...], dtype: torch.dtype
+    ) -> torch.Tensor:
+        tensor = make_value(seed, rank, shape, dtype)
+        return tensor.T if tensor.dim() == 2 else tensor  # not contiguous
+
+    for (seeds, group), dtype in itertools.product(
+        member_groups(groups, 30_000), (*DTYPES, torch.int64)
+    ):
+        for shape in shapes:
+            seed = next(seeds)
+            tensor = value(seed, rank, shape, dtype)
+            original = tensor.clone()
+            before = comm.collectives_started['gathered']
+            result = comm.all_gather(
+                tensor, group=group.group, kind='gathered'
+            ).wait()
+            started = comm.collectives_started['gathered'] - before
+            assert started == (len(group.ranks) > 1)
+            expected = torch.stack(
+                [value(seed, r, shape, dtype) for r in group.ranks]
+            )
+            assert_same(result, expected)
+            assert_same(tensor, original)  # read, never written
+    assert 'allgather' not in comm.collectives_started  # counted by kind
+
+
 def check_not_a_member(groups: Sequence[Group]) -> None:
     comm = TorchDistributedCommunicator()
     match = 'not a member of the process group'
@@ -404,6 +447,8 @@ def check_not_a_member(groups: Sequence[Group]) -> None:
             comm.broadcast(
                 torch.zeros(2), src=group.ranks[0], group=group.group
             )
+        with pytest.raises(ValueError, match=match):
+            comm.all_gather(torch.zeros(2), group=group.group)
     assert not comm.collectives_started
 
 
@@ -622,6 +667,7 @@ CHECKS: dict[str, Callable[[Sequence[Group]], None]] = {
     'allreduce': check_allreduce,
     'symmetric_allreduce': check_symmetric_allreduce,
     'broadcast': check_broadcast,
+    'all_gather': check_all_gather,
     'not_a_member': check_not_a_member,
     'bucket_cap_zero': check_bucket_cap_zero,
     'unflushed_wait': check_unflushed_wait,
