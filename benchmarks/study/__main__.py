@@ -194,6 +194,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                 f'--kfac {variant}: names modules of task '
                 f'{TASK_VARIANTS[name]!r} only'
             )
+    for optimizer in () if args.report else args.optimizers:
+        try:
+            runner.require_optimizer(optimizer)
+        except RuntimeError as err:
+            parser.error(f'--optimizers {optimizer}: {err}')
     return args
 
 

@@ -65,6 +65,10 @@ def main(argv: Sequence[str] | None = None) -> dict[str, list[float]]:
     parser.add_argument('--steps', type=int, default=300)
     parser.add_argument('--repeats', type=int, default=3)
     args = parser.parse_args(argv)
+    try:
+        runner.require_optimizer(args.optimizer)
+    except RuntimeError as err:
+        parser.error(f'--optimizer {args.optimizer}: {err}')
     torch.set_num_threads(1)
     task = tasks.load(args.task)
     labels: dict[str, str | None] = {f'{args.optimizer} alone': None}
