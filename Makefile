@@ -54,6 +54,38 @@ pytest: $(STAMP)
 	$(VENV)/bin/coverage combine -q
 	$(VENV)/bin/coverage report
 
+# `make test-torch TORCH_SPEC='torch==2.6.0'`: the pytest suite alone (no
+# lint, types, docs or coverage) on another torch release, in a venv of its
+# own, .venv-torch-2.6.0 (ignored by git; `make clean-torch` removes them
+# all), with that torch from pip's indexes (PyPI's build: CUDA, several GB;
+# TORCH_INDEX as above) and requirements-dev.txt beside it (pip refuses a
+# pin that does not resolve). Tests of a feature the release lacks are
+# skipped naming the release they need (testing/torch_release.py).
+# PYTEST_ARGS adds pytest options. Not part of `make test` or CI; README.md
+# ("Supported PyTorch releases") says which releases ran and how.
+TORCH_RELEASE = $(patsubst torch==%,%,$(filter torch==%,$(TORCH_SPEC)))
+TORCH_VENV = .venv-torch-$(TORCH_RELEASE)
+TORCH_PY = $(TORCH_VENV)/bin/python
+
+.PHONY: test-torch clean-torch
+test-torch: $(TORCH_VENV)/.installed
+	$(TORCH_PY) -c 'import torch; print("torch", torch.__version__)'
+	$(TORCH_PY) -m pytest -q -p no:cacheprovider $(PYTEST_ARGS)
+
+$(TORCH_VENV)/.installed: pyproject.toml requirements-dev.txt requirements-nodeps.txt
+	$(if $(TORCH_RELEASE),,$(error TORCH_SPEC='$(TORCH_SPEC)': name one release, e.g. TORCH_SPEC='torch==2.6.0'))
+	rm -rf $(TORCH_VENV)
+	$(PYTHON) -m venv $(TORCH_VENV)
+	$(TORCH_PY) -m pip install --quiet --upgrade pip
+	$(TORCH_PY) -m pip install --quiet $(TORCH_INDEX_ARG) '$(TORCH_SPEC)'
+	$(TORCH_PY) -m pip install --quiet -r requirements-dev.txt '$(TORCH_SPEC)'
+	$(TORCH_PY) -m pip install --quiet --no-deps -r requirements-nodeps.txt
+	$(TORCH_PY) -m pip install --quiet --no-deps -e .
+	touch $@
+
+clean-torch:
+	rm -rf .venv-torch-*
+
 # `make demo`: SGD, Adam and SGD + K-FAC (tuned, and with the defaults) on
 # Fashion-MNIST (examples/README.md).
 # `make demo-lm`: a character GPT on the King James Bible (examples/corpus/,

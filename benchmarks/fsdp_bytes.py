@@ -15,8 +15,9 @@ and 3 neither), and prints per step and rank:
   the sending rank), each collective's payload counted once on every
   rank that calls it.
 * **FSDP2**, measured by wrapping ``torch.distributed.all_gather_single``
-  and ``reduce_scatter_single`` (the two calls FSDP2 makes) and checked
-  against the formula below.
+  and ``reduce_scatter_single`` (the two calls FSDP2 makes; before torch
+  2.13, ``all_gather_into_tensor`` and ``reduce_scatter_tensor``) and
+  checked against the formula below.
 
 The formulas, for a parameter ``p`` with ``rows_p`` rows (dim 0), row size
 ``r_p`` (the product of its other dims) and ``b`` bytes per element, over a
@@ -72,6 +73,7 @@ from testing.distributed import run_distributed
 __all__ = [
     'MODEL_ARGS',
     'FSDPCounter',
+    'fsdp_collectives',
     'fsdp_formula',
     'kfac_allgather_formula',
     'matches',
@@ -133,23 +135,38 @@ def fsdp_formula(
     }
 
 
-class FSDPCounter:
-    """Counts the input bytes of FSDP2's collectives while installed."""
+def fsdp_collectives() -> dict[str, str]:
+    """`{kind: name}` of the `torch.distributed` functions FSDP2 calls:
+    `all_gather_single` and `reduce_scatter_single` from torch 2.13 on,
+    `all_gather_into_tensor` and `reduce_scatter_tensor` before.
+    """
+    if hasattr(dist, 'all_gather_single'):
+        return {
+            'allgather': 'all_gather_single',
+            'reduce_scatter': 'reduce_scatter_single',
+        }
+    return {
+        'allgather': 'all_gather_into_tensor',
+        'reduce_scatter': 'reduce_scatter_tensor',
+    }
 
-    _WRAPPED = ('all_gather_single', 'reduce_scatter_single')
+
+class FSDPCounter:
+    """Counts the input bytes of FSDP2's collectives while installed, by
+    kind (`fsdp_collectives`).
+    """
 
     def __init__(self) -> None:
         self.bytes: collections.Counter[str] = collections.Counter()
+        self._wrapped = fsdp_collectives()
 
-    def _wrap(self, name: str) -> Callable[..., Any]:
+    def _wrap(self, kind: str, name: str) -> Callable[..., Any]:
         original: Callable[..., Any] = getattr(dist, name)
 
         def counted(*args: Any, **kwargs: Any) -> Any:
-            key = (
-                'input' if name == 'reduce_scatter_single' else 'input_tensor'
-            )
+            key = 'input' if kind == 'reduce_scatter' else 'input_tensor'
             tensor = kwargs[key] if key in kwargs else args[1]
-            self.bytes[name] += tensor.numel() * tensor.element_size()
+            self.bytes[kind] += tensor.numel() * tensor.element_size()
             return original(*args, **kwargs)
 
         return counted
@@ -157,10 +174,11 @@ class FSDPCounter:
     @contextlib.contextmanager
     def installed(self) -> Iterator[FSDPCounter]:
         """Wrap the collectives for the duration of the block."""
-        saved = {name: getattr(dist, name) for name in self._WRAPPED}
+        names = self._wrapped.values()
+        saved = {name: getattr(dist, name) for name in names}
         try:
-            for name in self._WRAPPED:
-                setattr(dist, name, self._wrap(name))
+            for kind, name in self._wrapped.items():
+                setattr(dist, name, self._wrap(kind, name))
             yield self
         finally:
             for name, function in saved.items():
@@ -179,15 +197,15 @@ def _step_bytes(
     with counter.installed():
         optimizer.zero_grad()
         logits = model(tokens[:, :-1])
-        forward = counter.bytes['all_gather_single']
+        forward = counter.bytes['allgather']
         loss = F.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten())
         loss.backward()
     precon.step()
     optimizer.step()
     row = {k: comm.bytes_communicated.get(k, 0) - before[k] for k in KINDS}
     row['forward_allgather'] = forward
-    row['backward_allgather'] = counter.bytes['all_gather_single'] - forward
-    row['reduce_scatter'] = counter.bytes['reduce_scatter_single']
+    row['backward_allgather'] = counter.bytes['allgather'] - forward
+    row['reduce_scatter'] = counter.bytes['reduce_scatter']
     return row
 
 

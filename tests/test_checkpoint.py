@@ -31,6 +31,7 @@ from testing.asserts import WORST
 from testing.asserts import assert_same_state
 from testing.asserts import relative_error
 from testing.distributed import run_distributed
+from testing.torch_release import FSDP2_ON_CPU
 
 SAVED_AT, TOTAL = 3, 5
 CONFIGS: dict[str, dict[str, Any]] = {
@@ -168,6 +169,7 @@ def _resume(out_dir: str, label: str) -> None:
         path.write_text(json.dumps(results))
 
 
+@FSDP2_ON_CPU
 @pytest.mark.timeout(300)
 def test_fsdp_checkpoint_resumes_at_any_world_size(
     tmp_path: pathlib.Path,

@@ -17,6 +17,7 @@ from kfac.optimizer import KFACOptimizer
 from kfac.preconditioner import KFACPreconditioner
 from testing.models import TinyMLP
 from testing.models import classification_data
+from testing.torch_release import MUON
 
 F32 = torch.float32
 
@@ -234,6 +235,7 @@ def test_frozen_layers_need_no_count() -> None:
     assert precon.steps == 1
 
 
+@MUON
 def test_composes_with_muon() -> None:
     model, opt = build(
         TinyMLP(bias=False),

@@ -120,6 +120,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         refused = variants.refusal(args.task, variant)
         if refused is not None:
             parser.error(refused)
+    for optimizer in () if args.report else args.optimizers:
+        try:
+            runner.require_optimizer(optimizer)
+        except RuntimeError as err:
+            parser.error(f'--optimizers {optimizer}: {err}')
     return args
 
 

@@ -80,12 +80,34 @@ def git_commit() -> str:
     return done.stdout.strip() or 'unknown'
 
 
+MUON_RELEASE = '2.9'
+"""The first torch release with `torch.optim.Muon`."""
+
+
+def require_optimizer(name: str) -> None:
+    """Refuse an optimizer this torch does not have.
+
+    Raises:
+        RuntimeError: `name` is 'muon' and this torch has no
+            `torch.optim.Muon`.
+    """
+    if name == 'muon' and not hasattr(torch.optim, 'Muon'):
+        raise RuntimeError(
+            f"the optimizer 'muon' needs torch>={MUON_RELEASE} "
+            f'(torch.optim.Muon); this is torch {torch.__version__}'
+        )
+
+
 def make_optimizers(
     name: str, model: nn.Module, lr: float, task: Task
 ) -> list[torch.optim.Optimizer]:
     """SGD (momentum 0.9), AdamW (torch's defaults) or Muon on the task's
     2-D hidden weights (`adjust_lr_fn='match_rms_adamw'`, so that it shares
     AdamW's learning rate) with AdamW on the rest; no schedule.
+
+    Raises:
+        RuntimeError: Muon on a torch without it (`require_optimizer`).
+        ValueError: an unknown optimizer.
     """
     params = list(model.parameters())
     if name == 'sgd':
@@ -93,6 +115,7 @@ def make_optimizers(
     if name == 'adamw':
         return [torch.optim.AdamW(params, lr=lr)]
     if name == 'muon':
+        require_optimizer(name)
         matrices = task.matrices(model)
         chosen = {id(p) for p in matrices}
         rest = [p for p in params if id(p) not in chosen]

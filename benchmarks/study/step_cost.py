@@ -85,6 +85,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         refused = variants.refusal(args.task, name)
         if refused is not None:
             parser.error(refused)
+    try:
+        runner.require_optimizer(args.optimizer)
+    except RuntimeError as err:
+        parser.error(f'--optimizer {args.optimizer}: {err}')
     return args
 
 

@@ -59,7 +59,7 @@ from kfac._engine.loss_scale import GradScalerLike
 from kfac._engine.loss_scale import LossScale
 from kfac._engine.loss_scale import fp16_autocast
 from kfac._engine.taps import GradTap
-from kfac._engine.taps import capture_input
+from kfac._engine.taps import operators
 from kfac._engine.taps import register_receiver
 from kfac._engine.taps import unregister_receiver
 from kfac.layers.base import KFACBaseLayer
@@ -194,6 +194,7 @@ class Capture:
         layer_input = inputs[0].detach()
         if torch.compiler.is_compiling():
             like = torch.empty(0, dtype=output.dtype, device=output.device)
+            capture_input = operators().capture_input
             ticket, anchor = capture_input(layer_input, like, key, fp16)
             # Function.apply carries no annotations in torch
             return GradTap.apply(output, ticket, anchor)  # type: ignore[no-untyped-call]

@@ -41,23 +41,43 @@ Both operators are tagged `cudagraph_unsafe`, so inductor keeps them out
 of CUDA graphs. Receivers are found by number in a weak registry: a
 compiled graph that outlives its preconditioner (`remove()`) calls
 operators that do nothing.
+
+Tags on custom operators came with torch 2.8 and effects registered on them
+with torch 2.10, whose inductor still fails on the graphs: the operators
+need torch 2.11 (`COMPILE_RELEASE`). On an older torch they are not
+defined (`OPERATORS` is None) and eager K-FAC works as on any other; a
+preconditioner built on a compiled model, or a hook traced by the compiler,
+raises a `RuntimeError` naming the release it needs (under
+`fullgraph=True`, the hook is dynamo's error instead: it cannot call the
+function that raises outside the graph).
 """
 
 from __future__ import annotations
 
 import itertools
+import re
 import weakref
+from collections.abc import Callable
 from typing import Any
+from typing import Final
+from typing import NamedTuple
+from typing import NoReturn
 from typing import Protocol
 
 import torch
+from torch._library.custom_ops import CustomOpDef
 
 __all__ = [
+    'COMPILE_RELEASE',
+    'OPERATORS',
     'GradTap',
+    'Operators',
     'Receiver',
-    'capture_grad',
-    'capture_input',
+    'compile_capture_available',
+    'operators',
+    'parse_release',
     'register_receiver',
+    'require_operators',
     'unregister_receiver',
 ]
 
@@ -136,17 +156,6 @@ def _capture_grad(grad: torch.Tensor, ticket: torch.Tensor) -> None:
             target.on_grad(ticket, grad)
 
 
-_TAGS = (torch.Tag.cudagraph_unsafe,)
-
-capture_input = torch.library.custom_op(
-    'kfac::capture_input', _capture_input, mutates_args=(), tags=_TAGS
-)
-capture_grad = torch.library.custom_op(
-    'kfac::capture_grad', _capture_grad, mutates_args=(), tags=_TAGS
-)
-
-
-@capture_input.register_fake
 def _capture_input_fake(
     layer_input: torch.Tensor,
     like: torch.Tensor,
@@ -156,13 +165,106 @@ def _capture_input_fake(
     return torch.empty(2, dtype=torch.int64), like.new_empty(())
 
 
-@capture_grad.register_fake
 def _capture_grad_fake(grad: torch.Tensor, ticket: torch.Tensor) -> None:
     return None
 
 
-# torch.library imports EffectType without listing it in __all__
-capture_grad.register_effect(torch.library.EffectType.ORDERED)  # type: ignore[attr-defined]
+COMPILE_RELEASE: Final = '2.11'
+"""The first torch release whose compiler takes the operators."""
+
+
+def parse_release(version: str) -> tuple[int, int]:
+    """`(major, minor)` of a torch version string (`'2.11.0+cpu'`).
+
+    Raises:
+        ValueError: `version` does not start with `major.minor`.
+    """
+    match = re.match(r'(\d+)\.(\d+)', version)
+    if match is None:
+        raise ValueError(f'not a torch release: {version!r}')
+    return int(match[1]), int(match[2])
+
+
+def compile_capture_available() -> bool:
+    """Whether this torch takes the operators: they need tags on custom
+    operators (`torch.Tag.cudagraph_unsafe`, torch 2.8) and ordered effects
+    registered on them (`CustomOpDef.register_effect`, torch 2.10), and
+    torch 2.10's inductor fails on the graphs (an assertion in its
+    partitioner, 'Node ... was invalid, but is output').
+    """
+    return (
+        parse_release(torch.__version__) >= parse_release(COMPILE_RELEASE)
+        and hasattr(torch.Tag, 'cudagraph_unsafe')
+        and hasattr(CustomOpDef, 'register_effect')
+    )
+
+
+class Operators(NamedTuple):
+    """K-FAC's custom operators (`torch.ops.kfac`)."""
+
+    capture_input: CustomOpDef
+    capture_grad: CustomOpDef
+
+
+def define_operators() -> Operators | None:
+    """Define K-FAC's operators in torch's registry (once, at import).
+
+    Returns:
+        The operators, or None where this torch lacks what they need
+        (`compile_capture_available`).
+    """
+    if not compile_capture_available():
+        return None
+    tags = (torch.Tag.cudagraph_unsafe,)
+    capture_input = torch.library.custom_op(
+        'kfac::capture_input', _capture_input, mutates_args=(), tags=tags
+    )
+    capture_grad = torch.library.custom_op(
+        'kfac::capture_grad', _capture_grad, mutates_args=(), tags=tags
+    )
+    capture_input.register_fake(_capture_input_fake)
+    capture_grad.register_fake(_capture_grad_fake)
+    # torch.library imports EffectType without listing it in __all__
+    capture_grad.register_effect(torch.library.EffectType.ORDERED)  # type: ignore[attr-defined]
+    return Operators(capture_input, capture_grad)
+
+
+OPERATORS: Final = define_operators()
+"""K-FAC's operators, or None where this torch has none."""
+
+
+def require_operators() -> Operators:
+    """K-FAC's operators, or an error where this torch has none.
+
+    Raises:
+        RuntimeError: this torch lacks what the operators need, naming the
+            release that has it.
+    """
+    if OPERATORS is None:
+        raise RuntimeError(
+            'K-FAC in a model compiled by torch.compile needs '
+            f'torch>={COMPILE_RELEASE} (for its custom operators); this is '
+            f'torch {torch.__version__}: run the model uncompiled or '
+            f'install torch>={COMPILE_RELEASE}'
+        )
+    return OPERATORS
+
+
+def operators() -> Operators:
+    """K-FAC's operators, for a hook traced by the compiler.
+
+    Raises:
+        RuntimeError: as `require_operators`, raised outside the traced
+            region (a `raise` traced by the compiler would end the graph
+            and let the hook run eagerly, capturing nothing).
+    """
+    if OPERATORS is None:
+        # torch.compiler.disable carries no annotations
+        eagerly: Callable[[], NoReturn] = torch.compiler.disable(  # type: ignore[no-untyped-call]
+            require_operators
+        )
+        eagerly()
+    return OPERATORS
 
 
 class GradTap(torch.autograd.Function):
@@ -189,5 +291,5 @@ class GradTap(torch.autograd.Function):
     def backward(ctx: Any, grad: torch.Tensor) -> Any:
         """Hand `grad` over; pass it on unchanged."""
         (ticket,) = ctx.saved_tensors
-        capture_grad(grad, ticket)
+        operators().capture_grad(grad, ticket)
         return grad, None, None

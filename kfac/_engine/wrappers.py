@@ -9,6 +9,8 @@ from typing import cast
 
 from torch import nn
 
+from kfac._engine.taps import require_operators
+
 __all__ = ['unwrap']
 
 
@@ -25,11 +27,16 @@ def _compiled(model: nn.Module) -> bool:
 def unwrap(model: nn.Module) -> nn.Module:
     """The model inside its `DistributedDataParallel` and `torch.compile`
     wrappers (in any order), so that layer names do not depend on them.
+
+    Raises:
+        RuntimeError: a `torch.compile` wrapper on a torch too old for
+            K-FAC's operators (`kfac._engine.taps.COMPILE_RELEASE`).
     """
     while True:
         if isinstance(model, nn.parallel.DistributedDataParallel):
             model = model.module
         elif _compiled(model):
+            require_operators()
             model = cast(nn.Module, model._orig_mod)
         else:
             return model

@@ -38,6 +38,7 @@ __all__ = [
     'BucketHandle',
     'Entry',
     'Record',
+    'all_gather_op',
     'finish',
     'payload',
     'start_all_gather',
@@ -126,6 +127,16 @@ def start_broadcast(
     return work.get_future()
 
 
+def all_gather_op() -> Callable[..., dist.Work]:
+    """`dist.all_gather_single` (torch 2.13, which deprecates its older
+    name), or before it `dist.all_gather_into_tensor`, the same collective.
+    """
+    single: Callable[..., dist.Work] | None = getattr(
+        dist, 'all_gather_single', None
+    )
+    return dist.all_gather_into_tensor if single is None else single
+
+
 def start_all_gather(
     out: torch.Tensor,
     buffer: torch.Tensor,
@@ -136,7 +147,7 @@ def start_all_gather(
     Every rank of `group` calls it with buffers of the same shape; `out`
     holds `size` of them, in rank order.
     """
-    gather: Callable[..., dist.Work] = dist.all_gather_single
+    gather = all_gather_op()
     work = gather(out, buffer, group=group, async_op=True)
     return work.get_future()
 

@@ -84,7 +84,7 @@ def check_src(src: object, group: ProcessGroup | None) -> int:
     """Return `src` if it is the global rank of a member of `group`."""
     if not is_int(src):
         raise type_error('src', src, 'an int (a global rank)')
-    ranks = dist.get_process_group_ranks(group) if _initialized() else [0]
+    ranks = group_ranks(group)
     if src not in ranks:
         raise ValueError(
             f'src={src} is not a member of the process group; its global '
@@ -154,6 +154,9 @@ def default_group_func(world_size: int) -> GroupFunc:
 def group_ranks(group: ProcessGroup | None) -> list[int]:
     """The global ranks of `group` (the default group when None), in
     `torch.distributed`'s order; `[0]` without a process group.
+
+    None is resolved here: `dist.get_process_group_ranks` takes no None
+    before torch 2.8.
     """
     if not _initialized():
         return [0]

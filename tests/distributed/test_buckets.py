@@ -13,6 +13,7 @@ from typing import Any
 
 import pytest
 import torch
+import torch.distributed as dist
 
 from kfac.distributed import _buckets as buckets
 from kfac.distributed._buckets import Bucket
@@ -137,3 +138,20 @@ def test_bucket_reduces_its_tensors_as_one_buffer(
     bucket.start()  # started once only
     assert len(fake.buffers) == 1
     assert torch.equal(vector, torch.tensor([1.0, 2.0]))  # input unchanged
+
+
+def test_all_gather_is_the_name_this_torch_has(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """`all_gather_single` where torch has it (2.13 deprecates the older
+    name), `all_gather_into_tensor` before.
+    """
+
+    def single(*args: object, **kwargs: object) -> dist.Work:
+        """Stands in for `dist.all_gather_single`."""
+        raise NotImplementedError
+
+    monkeypatch.setattr(dist, 'all_gather_single', single, raising=False)
+    assert buckets.all_gather_op() is single
+    monkeypatch.delattr(dist, 'all_gather_single')
+    assert buckets.all_gather_op() is dist.all_gather_into_tensor

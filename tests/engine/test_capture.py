@@ -29,6 +29,7 @@ from kfac._engine.loss_scale import read_loss_scale
 from kfac.preconditioner import KFACPreconditioner
 from testing.models import TinyMLP
 from testing.models import classification_data
+from testing.torch_release import COMPILED
 
 F64 = torch.float64
 
@@ -93,7 +94,9 @@ def _capture(
     return Capture(precon.layers, **options)
 
 
-@pytest.mark.parametrize('compiled', [False, True])
+@pytest.mark.parametrize(
+    'compiled', [False, pytest.param(True, marks=COMPILED)]
+)
 @pytest.mark.parametrize('mode', ['eval', 'no_grad', 'inactive', 'frozen'])
 def test_passes_outside_factor_steps_are_not_captured(
     mode: str, compiled: bool
@@ -158,7 +161,9 @@ def test_loss_scale_is_divided_out_of_g() -> None:
     assert precon.grad_scaler is not None
 
 
-@pytest.mark.parametrize('compiled', [False, True])
+@pytest.mark.parametrize(
+    'compiled', [False, pytest.param(True, marks=COMPILED)]
+)
 def test_in_hook_capture_completes_after_the_last_micro_batch(
     compiled: bool,
 ) -> None:
@@ -203,8 +208,8 @@ def _train_step(
         (True, 10, False),
         (False, 1, False),
         (False, 10, False),
-        (True, 1, True),
-        (False, 10, True),
+        pytest.param(True, 1, True, marks=COMPILED),
+        pytest.param(False, 10, True, marks=COMPILED),
     ],
 )
 def test_forward_without_backward_changes_nothing(
@@ -328,7 +333,12 @@ class _Checkpointed(nn.Module):
 
 
 @pytest.mark.parametrize(
-    'compiled', [None, 'checkpoint in the graph', 'graph in the checkpoint']
+    'compiled',
+    [
+        None,
+        'checkpoint in the graph',
+        pytest.param('graph in the checkpoint', marks=COMPILED),
+    ],
 )
 @pytest.mark.parametrize('reentrant', [True, False])
 def test_activation_checkpointing_gives_the_same_factors(
@@ -383,6 +393,7 @@ class _Siamese(nn.Module):
         return F.cross_entropy(self.head(torch.tanh(deep)), y)
 
 
+@COMPILED
 @pytest.mark.parametrize('form', ['siamese', 'twice_in_one_forward'])
 def test_module_called_twice_compiled_equals_eager(form: str) -> None:
     """The expand rule (checked by hand above) holds on a compiled model,
@@ -418,7 +429,9 @@ def test_a_gradient_arriving_after_remove_is_ignored() -> None:
 # The step guard -------------------------------------------------------------
 
 
-@pytest.mark.parametrize('compiled', [False, True])
+@pytest.mark.parametrize(
+    'compiled', [False, pytest.param(True, marks=COMPILED)]
+)
 def test_second_step_without_backward_changes_nothing(
     compiled: bool, caplog: pytest.LogCaptureFixture
 ) -> None:

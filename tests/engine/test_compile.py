@@ -29,6 +29,8 @@ from testing.models import AttentionNet
 from testing.models import TinyCNN
 from testing.models import TinyMLP
 from testing.models import classification_data
+from testing.torch_release import COMPILED
+from testing.torch_release import requires_torch
 
 F64 = torch.float64
 RTOL, ATOL = 1e-9, 1e-12
@@ -78,7 +80,22 @@ MODELS: dict[str, tuple[Callable[[], nn.Module], tuple[int, ...]]] = {
 }
 
 
-@pytest.mark.parametrize('kind', list(MODELS))
+@COMPILED
+@pytest.mark.parametrize(
+    'kind',
+    [
+        'mlp',
+        'cnn',
+        # torch 2.11 and 2.12 fail here without K-FAC too ('expected
+        # scalar type Double but found Float')
+        pytest.param(
+            'attention',
+            marks=requires_torch(
+                '2.13', "inductor's float64 attention backward on the CPU"
+            ),
+        ),
+    ],
+)
 def test_compiled_model_equals_eager(kind: str) -> None:
     make, shape = MODELS[kind]
     torch.manual_seed(0)
@@ -141,6 +158,7 @@ class _Broken(nn.Module):
         return out
 
 
+@COMPILED
 @pytest.mark.parametrize(
     ('make', 'graphs'), [(lambda: _Deep(3), 1), (_Broken, 2)]
 )
@@ -170,7 +188,21 @@ def _step(
     precon.step()
 
 
-@pytest.mark.parametrize('own_break', [False, True])
+@COMPILED
+@pytest.mark.parametrize(
+    'own_break',
+    [
+        False,
+        # torch 2.11 compiles 2 frames there (its factors equal eager
+        # ones, checked by hand)
+        pytest.param(
+            True,
+            marks=requires_torch(
+                '2.12', "dynamo's frames after a model's own graph break"
+            ),
+        ),
+    ],
+)
 def test_twenty_layers_compile_once(
     own_break: bool, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -209,6 +241,7 @@ def test_twenty_layers_compile_once(
 # Names, checkpoints and the preconditioner's lifetime ------------------------
 
 
+@COMPILED
 def test_checkpoint_round_trip_compiled_eager_compiled() -> None:
     """A preconditioner names its layers without `_orig_mod.`; its state
     loads into one on the eager model and back, and training on from it
@@ -240,6 +273,7 @@ def test_checkpoint_round_trip_compiled_eager_compiled() -> None:
         torch.testing.assert_close(mine[key], value, rtol=RTOL, atol=ATOL)
 
 
+@COMPILED
 def test_graph_compiled_before_the_hooks_is_an_error(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -266,6 +300,7 @@ def test_graph_compiled_before_the_hooks_is_an_error(
     assert all(layer.has_factors for layer in precon.layers.values())
 
 
+@COMPILED
 def test_instance_without_hooks_keeps_its_own_graph() -> None:
     """A model compiled and run without K-FAC beside another instance of
     its class with K-FAC (an A/B comparison in one process): each runs
@@ -290,6 +325,7 @@ def test_instance_without_hooks_keeps_its_own_graph() -> None:
         )
 
 
+@COMPILED
 def test_removed_preconditioner_captures_nothing_and_a_new_one_does() -> None:
     """remove() detaches the compiled model from the old preconditioner
     (dynamo recompiles for the changed hooks) and a new one captures.
@@ -308,6 +344,7 @@ def test_removed_preconditioner_captures_nothing_and_a_new_one_does() -> None:
     assert all(layer.captures == (1, 1) for layer in second.layers.values())
 
 
+@COMPILED
 def test_operators_of_a_removed_receiver_do_nothing() -> None:
     """A compiled graph that outlives its preconditioner calls operators
     that neither fail nor capture.
@@ -326,6 +363,7 @@ def test_operators_of_a_removed_receiver_do_nothing() -> None:
     assert all(layer.captures == (0, 0) for layer in precon.layers.values())
 
 
+@COMPILED
 def test_operator_path_run_eagerly_equals_the_hook_path(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -364,6 +402,7 @@ class _TwoHeads(nn.Module):
         return self.head(h), self.aux(h)
 
 
+@COMPILED
 def test_graph_output_without_gradient_counts_as_zero_gradient() -> None:
     """The documented difference from eager mode: a registered module's
     output returned by the compiled region but left out of the loss gets
@@ -397,24 +436,27 @@ def test_graph_output_without_gradient_counts_as_zero_gradient() -> None:
 # Compiled K-FAC arithmetic --------------------------------------------------
 
 
-def test_compiled_arithmetic_equals_eager() -> None:
+@pytest.mark.parametrize(
+    'compiled_model', [False, pytest.param(True, marks=COMPILED)]
+)
+def test_compiled_arithmetic_equals_eager(compiled_model: bool) -> None:
     """`compile_arithmetic=True` (running averages in one compiled kernel)
     trains as the eager arithmetic does, on an eager and a compiled model.
     """
     torch.manual_seed(0)
     model = TinyMLP().double()
-    twins = [copy.deepcopy(model), copy.deepcopy(model)]
+    twin = copy.deepcopy(model)
     batches = [classification_data(8, (6,), seed=s) for s in range(3)]
     eager = KFACPreconditioner(model, factor_decay=0.5)
     _train(model, eager, batches)
-    for twin, net in zip(twins, (twins[0], _compile(twins[1]))):
-        fused = KFACPreconditioner(
-            net,
-            factor_decay=0.5,
-            statistics=StatisticsConfig(compile_arithmetic=True),
-        )
-        assert fused.options.compile_arithmetic
-        _train(net, fused, batches)
-        mine, theirs = _state(twin, fused), _state(model, eager)
-        for key, value in theirs.items():
-            torch.testing.assert_close(mine[key], value, rtol=RTOL, atol=ATOL)
+    net = _compile(twin) if compiled_model else twin
+    fused = KFACPreconditioner(
+        net,
+        factor_decay=0.5,
+        statistics=StatisticsConfig(compile_arithmetic=True),
+    )
+    assert fused.options.compile_arithmetic
+    _train(net, fused, batches)
+    mine, theirs = _state(twin, fused), _state(model, eager)
+    for key, value in theirs.items():
+        torch.testing.assert_close(mine[key], value, rtol=RTOL, atol=ATOL)

@@ -29,6 +29,7 @@ from kfac.math import kl_clip_scale
 from kfac.preconditioner import KFACPreconditioner
 from testing.models import TinyMLP
 from testing.models import classification_data
+from testing.torch_release import MUON
 
 
 def _data(step: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -265,6 +266,7 @@ def test_each_layer_takes_its_groups_lr() -> None:
     )
 
 
+@MUON
 def test_a_sequence_of_optimizers_muon_and_adamw() -> None:
     torch.manual_seed(0)
     model = nn.Sequential(

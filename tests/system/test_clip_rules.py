@@ -27,6 +27,7 @@ from testing import fsdp
 from testing.asserts import WORST
 from testing.asserts import relative_error
 from testing.distributed import run_distributed
+from testing.torch_release import FSDP2_ON_CPU
 
 KAPPA = 0.5
 BATCH = 12
@@ -115,6 +116,7 @@ def _body(out_dir: str) -> None:
         )
 
 
+@FSDP2_ON_CPU
 @pytest.mark.timeout(200)
 def test_relative_clip_under_fsdp(tmp_path: pathlib.Path) -> None:
     torch.save(fsdp.whole_params(_lossless((0, 1))), tmp_path / 'expected.pt')

@@ -35,6 +35,7 @@ from torch import nn
 import kfac
 from kfac.preconditioner import KFACPreconditioner
 from testing.snippets import strictly
+from testing.torch_release import COMPILED
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 DOCS = ROOT / 'docs'
@@ -95,9 +96,17 @@ def _expect(expected: str, *args: Any) -> None:
     )
 
 
+NEEDS: dict[str, pytest.MarkDecorator] = {'guide/compile.md': COMPILED}
+"""What a page's code needs of torch, where it needs more than the floor."""
+
+
 @pytest.mark.parametrize(
     'page',
-    [p for p in PAGES if _runnable(p.read_text())],
+    [
+        pytest.param(p, marks=NEEDS.get(str(p.relative_to(DOCS)), ()))
+        for p in PAGES
+        if _runnable(p.read_text())
+    ],
     ids=lambda p: str(p.relative_to(DOCS)),
 )
 def test_page_code_runs(

@@ -20,6 +20,7 @@ from torch.distributed.tensor import DTensor
 
 from examples import train_fsdp
 from testing.distributed import run_distributed
+from testing.torch_release import FSDP2_ON_CPU
 
 SMALL = [
     '--vocab', '32', '--width', '32', '--depth', '2', '--heads', '2',
@@ -71,6 +72,7 @@ def _body(out_dir: str) -> None:
         )
 
 
+@FSDP2_ON_CPU
 @pytest.mark.timeout(120)
 def test_train_fsdp_resumes_exactly(tmp_path: pathlib.Path) -> None:
     run_distributed(_body, 2, str(tmp_path), tmp_path=tmp_path, timeout=110)

@@ -36,6 +36,8 @@ from testing import fsdp
 from testing import oracle
 from testing.asserts import relative_error
 from testing.distributed import run_distributed
+from testing.torch_release import FSDP2_ON_CPU
+from testing.torch_release import HSDP_ON_CPU
 
 CONFIGS: dict[str, dict[str, Any]] = {
     'comm_opt-eigen': {'grad_worker_fraction': 'comm_opt'},
@@ -139,8 +141,11 @@ def _train_sharded(label: str, part: oracle.Part) -> oracle.Trained:
     return oracle.Trained(fsdp.whole_params(model), facts)
 
 
+@FSDP2_ON_CPU
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize('world_size', [2, 3, 4])
+@pytest.mark.parametrize(
+    'world_size', [2, 3, pytest.param(4, marks=HSDP_ON_CPU)]
+)
 def test_fully_shard_equals_one_process(
     world_size: int, tmp_path: pathlib.Path
 ) -> None:
@@ -361,6 +366,7 @@ def _errors(out_dir: str) -> None:
         )
 
 
+@FSDP2_ON_CPU
 @pytest.mark.timeout(120)
 def test_unsupported_sharding_raises_at_construction(
     tmp_path: pathlib.Path,
@@ -421,6 +427,7 @@ def _train_tied(name: str, part: oracle.Part) -> torch.Tensor:
     return fsdp.whole_params(model)
 
 
+@FSDP2_ON_CPU
 @pytest.mark.timeout(200)
 def test_tied_and_tiled_layers_under_fully_shard(
     tmp_path: pathlib.Path,

@@ -22,11 +22,13 @@ import pytest
 
 from benchmarks import fsdp_bytes
 from testing.distributed import run_distributed
+from testing.torch_release import HSDP_ON_CPU
 
 CASES = [('comm_opt', 1), ('mem_opt', 1), ('mem_opt', 2), ('local', 1)]
 WORLD = 4
 
 
+@HSDP_ON_CPU
 @pytest.mark.timeout(180)
 def test_allgather_bytes_equal_the_formula(tmp_path: pathlib.Path) -> None:
     run_distributed(

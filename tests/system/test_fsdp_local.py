@@ -31,6 +31,7 @@ from testing import oracle
 from testing.asserts import WORST
 from testing.asserts import relative_error
 from testing.distributed import run_distributed
+from testing.torch_release import FSDP2_ON_CPU
 
 DAMPING = 0.01
 BATCH = 12
@@ -208,6 +209,7 @@ def _one_step(out_dir: str) -> None:
         )
 
 
+@FSDP2_ON_CPU
 @pytest.mark.timeout(200)
 @pytest.mark.parametrize('world_size', [2, 3])
 def test_local_mode_is_the_block_diagonal_solve(

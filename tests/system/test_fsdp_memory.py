@@ -26,6 +26,7 @@ from torch import nn
 
 from testing import fsdp
 from testing.distributed import run_distributed
+from testing.torch_release import FSDP2_ON_CPU
 
 WORLD = 4
 ITEM = 8  # float64
@@ -97,6 +98,7 @@ def _body(out_dir: str) -> None:
     path.write_text(json.dumps(results))
 
 
+@FSDP2_ON_CPU
 @pytest.mark.timeout(180)
 def test_mem_opt_shrinks_kfac_state_per_rank(tmp_path: pathlib.Path) -> None:
     run_distributed(

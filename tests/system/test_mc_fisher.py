@@ -39,6 +39,7 @@ from testing.curvlinops import curvlinops_factors
 from testing.reference import py_class
 from testing.reference import py_classes
 from testing.reference import py_uniform
+from testing.torch_release import COMPILED
 
 F64 = torch.float64
 N, D_IN, HIDDEN, C = 6, 4, 5, 3
@@ -406,6 +407,7 @@ def test_a_loss_scale_is_divided_out() -> None:
         assert_rel_close(g, plain[name], rtol=1e-15, label='mc-fisher scaler')
 
 
+@COMPILED
 def test_compiled_model_samples_as_eager() -> None:
     x, y = data()
     eager = g_factors(mc_step(model(), x, samples=2))

@@ -30,6 +30,7 @@ from kfac.config import FisherConfig
 from kfac.config import StatisticsConfig
 from kfac.layers.curvature import InverseConfig
 from kfac.preconditioner import KFACPreconditioner
+from testing.torch_release import MUON
 
 
 def _images(count: int = 64) -> ImageData:
@@ -68,7 +69,7 @@ TINY = {
     'config',
     [
         runner.Config('sgd', 0.01),
-        runner.Config('muon', 0.001),
+        pytest.param(runner.Config('muon', 0.001), marks=MUON),
         runner.kfac_config('adamw', 0.001, 'kfac', variants.BASE_KFAC),
         runner.kfac_config(
             'sgd',
@@ -107,8 +108,14 @@ def test_a_run_trains_and_records(name: str, config: runner.Config) -> None:
     'config',
     [
         runner.kfac_config('adamw', 0.001, variants.DEFAULTS, {}),
-        runner.kfac_config(
-            'muon', 0.001, 'defaults+mc', variants.OVER_DEFAULTS['defaults+mc']
+        pytest.param(
+            runner.kfac_config(
+                'muon',
+                0.001,
+                'defaults+mc',
+                variants.OVER_DEFAULTS['defaults+mc'],
+            ),
+            marks=MUON,
         ),
     ],
     ids=['adamw+defaults', 'muon+defaults+mc'],
@@ -130,6 +137,7 @@ def test_a_run_on_the_test_device_repeats_the_cpu(
         assert math.isclose(a[2], b[2], rel_tol=1e-4, abs_tol=1e-4)
 
 
+@MUON
 @pytest.mark.parametrize('name', sorted(TINY))
 def test_muon_trains_the_hidden_matrices_and_adamw_the_rest(name: str) -> None:
     task = TINY[name]()
@@ -224,6 +232,30 @@ def test_unknown_names_are_refused() -> None:
         tasks.load('mnist')
     with pytest.raises(ValueError, match='K-FAC variant must be one of'):
         variants.settings('shampoo')
+
+
+def test_muon_is_refused_where_torch_has_none(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Before torch 2.9 (no `torch.optim.Muon`) asking for Muon is an
+    error naming the release, from both command lines and from
+    `make_optimizers`; the other optimizers are unaffected.
+    """
+    monkeypatch.delattr(torch.optim, 'Muon', raising=False)
+    says = r"the optimizer 'muon' needs torch>=2\.9 \(torch\.optim\.Muon\)"
+    task = TINY['cnn']()
+    with pytest.raises(RuntimeError, match=f'{says}; this is torch 2'):
+        runner.make_optimizers('muon', task.build(0), 0.01, task)
+    (sgd,) = runner.make_optimizers('sgd', task.build(0), 0.01, task)
+    assert isinstance(sgd, torch.optim.SGD)
+    with pytest.raises(SystemExit):
+        study.parse_args(['--task', 'gpt', '--optimizers', 'sgd', 'muon'])
+    assert '--optimizers muon: the optimizer' in capsys.readouterr().err
+    assert study.parse_args(['--task', 'gpt', '--report'])  # runs nothing
+    with pytest.raises(SystemExit):
+        step_cost.main(['--task', 'gpt', '--optimizer', 'muon', '--lr', '1'])
+    assert '--optimizer muon: the optimizer' in capsys.readouterr().err
+    assert study.parse_args(['--task', 'gpt', '--optimizers', 'sgd'])
 
 
 def _run(
@@ -481,9 +513,9 @@ def test_variants_over_the_defaults_change_one_thing(variant: str) -> None:
     """
     change = variant.removeprefix('defaults+')
     task = variants.TASK_VARIANTS.get(change, 'gpt')
-    argv = ['--task', task, '--optimizers', 'muon', '--lrs', '0.005']
+    argv = ['--task', task, '--optimizers', 'adamw', '--lrs', '0.005']
     (config,) = study.configs(study.parse_args([*argv, '--kfac', variant]))
-    assert config.label == f'muon+{variant} lr=0.005'
+    assert config.label == f'adamw+{variant} lr=0.005'
     change_of = variants.VARIANTS[change]
     assert _changed(config.settings()) == _keywords_of(change_of)
     for name in ('kfac', 'inverse', 'ekfac', 'qr', 'ekfac-qr'):
