@@ -5,6 +5,7 @@ release, in a venv of its own).
 
 from __future__ import annotations
 
+import os
 import pathlib
 import re
 import shutil
@@ -58,12 +59,26 @@ def _dry_run(spec: str) -> subprocess.CompletedProcess[str]:
     make = shutil.which('make')
     if make is None:
         pytest.fail('make is not installed')
+    # not the settings of a make that runs this test (`make test`)
+    env = {
+        key: value
+        for key, value in os.environ.items()
+        if key not in ('MAKEFLAGS', 'MAKELEVEL', 'MFLAGS')
+    }
     return subprocess.run(
-        [make, '-n', '-B', 'test-torch', f'TORCH_SPEC={spec}'],
+        [
+            make,
+            '-n',
+            '-B',
+            '--no-print-directory',
+            'test-torch',
+            f'TORCH_SPEC={spec}',
+        ],
         cwd=ROOT,
         capture_output=True,
         text=True,
         check=False,
+        env=env,
     )
 
 
