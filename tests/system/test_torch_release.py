@@ -5,6 +5,7 @@ release, in a venv of its own).
 
 from __future__ import annotations
 
+import os
 import pathlib
 import re
 import shutil
@@ -58,9 +59,14 @@ def _dry_run(spec: str) -> subprocess.CompletedProcess[str]:
     make = shutil.which('make')
     if make is None:
         pytest.fail('make is not installed')
+    # as if typed at a shell, also when the tests run under make (`make
+    # test-torch` itself)
+    env = {k: v for k, v in os.environ.items() if not k.startswith('MAKE')}
+    options = [f'TORCH_SPEC={spec}', 'TORCH_INDEX=', 'PYTEST_ARGS=']
     return subprocess.run(
-        [make, '-n', '-B', 'test-torch', f'TORCH_SPEC={spec}'],
+        [make, '-n', '-B', '--no-print-directory', 'test-torch', *options],
         cwd=ROOT,
+        env=env,
         capture_output=True,
         text=True,
         check=False,
