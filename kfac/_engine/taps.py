@@ -42,12 +42,12 @@ of CUDA graphs. Receivers are found by number in a weak registry: a
 compiled graph that outlives its preconditioner (`remove()`) calls
 operators that do nothing.
 
-Tags on custom operators came with torch 2.8 and effects registered on them
-with torch 2.10, whose inductor still fails on the graphs: the operators
-need torch 2.11 (`COMPILE_RELEASE`). On an older torch they are not
-defined (`OPERATORS` is None) and eager K-FAC works as on any other; a
-preconditioner built on a compiled model, or a hook traced by the compiler,
-raises a `RuntimeError` naming the release it needs (under
+Tags on custom operators came with torch 2.8 and effects registered on
+them with torch 2.10, whose AOTAutograd still fails on the graphs: the
+operators need torch 2.11 (`COMPILE_RELEASE`). On an older torch they are
+not defined (`OPERATORS` is None) and eager K-FAC works as on any other;
+a preconditioner built on a compiled model, or a hook traced by the
+compiler, raises a `RuntimeError` naming the release it needs (under
 `fullgraph=True`, the hook is dynamo's error instead: it cannot call the
 function that raises outside the graph).
 """
@@ -189,8 +189,9 @@ def compile_capture_available() -> bool:
     """Whether this torch takes the operators: they need tags on custom
     operators (`torch.Tag.cudagraph_unsafe`, torch 2.8) and ordered effects
     registered on them (`CustomOpDef.register_effect`, torch 2.10), and
-    torch 2.10's inductor fails on the graphs (an assertion in its
-    partitioner, 'Node ... was invalid, but is output').
+    torch 2.10's AOTAutograd partitioner fails on the graphs that carry
+    them (`AssertionError: Node getitem_6 was invalid, but is output`,
+    under the inductor and aot_eager backends alike).
     """
     return (
         parse_release(torch.__version__) >= parse_release(COMPILE_RELEASE)

@@ -59,26 +59,21 @@ def _dry_run(spec: str) -> subprocess.CompletedProcess[str]:
     make = shutil.which('make')
     if make is None:
         pytest.fail('make is not installed')
-    # not the settings of a make that runs this test (`make test`)
+    # as if typed at a shell, also when the tests run under make (`make
+    # test-torch` itself)
     env = {
-        key: value
-        for key, value in os.environ.items()
-        if key not in ('MAKEFLAGS', 'MAKELEVEL', 'MFLAGS')
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith('MAKE') and k != 'MFLAGS'
     }
+    options = [f'TORCH_SPEC={spec}', 'TORCH_INDEX=', 'PYTEST_ARGS=']
     return subprocess.run(
-        [
-            make,
-            '-n',
-            '-B',
-            '--no-print-directory',
-            'test-torch',
-            f'TORCH_SPEC={spec}',
-        ],
+        [make, '-n', '-B', '--no-print-directory', 'test-torch', *options],
         cwd=ROOT,
+        env=env,
         capture_output=True,
         text=True,
         check=False,
-        env=env,
     )
 
 
