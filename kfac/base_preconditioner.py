@@ -22,12 +22,12 @@ from typing import Any
 from torch import nn
 
 from kfac._engine.capture import Capture
+from kfac._engine.capture import GradScalerLike
+from kfac._engine.capture import check_grad_scaler
 from kfac._engine.curvature_updates import CurvatureUpdates
 from kfac._engine.decompositions import decompose
 from kfac._engine.distributor import make_distributor
 from kfac._engine.factors import FactorUpdates
-from kfac._engine.loss_scale import GradScalerLike
-from kfac._engine.loss_scale import check_grad_scaler
 from kfac._engine.preconditioning import precondition
 from kfac.assignment import WorkAssignment
 from kfac.config import EngineOptions

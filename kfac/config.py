@@ -471,7 +471,7 @@ class EngineOptions:
             [`ShardingConfig`][kfac.config.ShardingConfig].
         compile_arithmetic: fold each factor's batch into its running
             average with one kernel compiled by `torch.compile` (see
-            [`KroneckerFactor.update`][kfac.layers.factor.KroneckerFactor.update]).
+            [`KroneckerFactor.update`][kfac.layers.statistics.KroneckerFactor.update]).
         position_sample_seed: the seed of the positions drawn for
             `position_sample` (see
             [`kfac.layers.sampling`][kfac.layers.sampling]).

@@ -56,104 +56,46 @@ logger = logging.getLogger(__name__)
 class KFACPreconditioner(BaseKFACPreconditioner):
     """K-FAC preconditioning of a model's layers (KAISA).
 
-    Call [`step`][kfac.base_preconditioner.BaseKFACPreconditioner.step]
-    between `loss.backward()` and `optimizer.step()`. Works on one process
-    without `torch.distributed` and, initialised, with a DDP-wrapped model
-    on any number of ranks, each of which builds it from the same model
-    with the same options: the constructor compares the ranks' setups (one
-    all-gather of a digest) and raises a `ValueError` on every rank,
-    naming the first difference, if they differ (see the distributed
-    guide). The options are validated by
-    [`Hyperparameters`][kfac.hyperparams.Hyperparameters] (the schedulable
-    ones) and [`KFACConfig`][kfac.config.KFACConfig] (the others),
-    which `config` holds. The defaults are the time-to-target study's;
+    Built from a model, it registers the model's supported layers, hooks
+    them to form each layer's Kronecker factors `A` and `G`, and at every
+    [`step`][kfac.base_preconditioner.BaseKFACPreconditioner.step] (called
+    between `loss.backward()` and `optimizer.step()`) replaces their
+    gradients with preconditioned ones, so that any `torch.optim`
+    optimizer follows the K-FAC direction. It works on one process
+    without `torch.distributed` and, initialised, with a DDP- or
+    FSDP2-wrapped model on any number of ranks: factors are allreduced,
+    each factor's decomposition is computed by one assigned rank, and
+    `grad_worker_fraction` chooses how many ranks precondition each
+    layer. Every rank builds it from the same model with the same
+    options; the constructor compares the ranks' setups (one all-gather
+    of a digest) and raises a `ValueError` on every rank, naming the first
+    difference, if they differ.
+
+    The keywords are the original KAISA code's twenty, meaning what they
+    meant (`kl_clip` included), plus `module_options`, `optimizer`,
+    `relative_clip` and three option groups (`statistics`, `fisher`,
+    `sharding`), or all of the non-schedulable options at once as a
+    [`KFACConfig`][kfac.config.KFACConfig] (`config`). Each keyword, its
+    default and its meaning are in the options tables of the
+    hyperparameters guide (`docs/guide/hyperparameters.md`, "The
+    schedulable hyperparameters" and "Options fixed at construction"),
+    and each error the constructor raises in the troubleshooting guide;
+    tests hold both tables to this signature. The schedulable ones
+    (`factor_update_steps` to `lr`, `relative_clip`) may be callables
+    `step -> value` and are validated by
+    [`Hyperparameters`][kfac.hyperparams.Hyperparameters]. The defaults
+    are the time-to-target study's;
     [`ORIGINAL_DEFAULTS`][kfac.hyperparams.ORIGINAL_DEFAULTS] holds the
-    original KAISA code's (`KFACPreconditioner(model, **ORIGINAL_DEFAULTS)`).
+    original's (`KFACPreconditioner(model, **ORIGINAL_DEFAULTS)`).
 
-    Args:
-        model: the model (`DistributedDataParallel` and `torch.compile`
-            wrappers are looked through, so layer names and checkpoints are
-            the same with and without them).
-        factor_update_steps: steps between factor updates.
-        inv_update_steps: steps between decompositions.
-        damping: `λ` (EIGEN: added to the Kronecker product exactly;
-            EKFAC: added to the scaling `S`; INVERSE: split between the
-            factors with the π correction); see the method's `damping_mode`.
-        factor_decay: `ξ` in (0, 1] of the factors' running average.
-        kl_clip: `κ` of the original's KL clip (the step's KL divergence
-            at most `κ/2`; once active, the step no longer depends on the
-            learning rate), or None (the default: no KL clip).
-        lr: the optimizer's learning rate, used by the KL clip only; None
-            (the default) means 0.1, or the optimizer's with `optimizer`.
-            Pass `optimizer` instead, so that the value follows the
-            optimizer's schedule.
-        accumulation_steps: micro-batches per step (divide each micro-batch
-            loss by it).
-        allreduce_bucket_cap_mb: bucket size of the factor allreduce in MiB;
-            0 disables bucketing.
-        assignment_strategy: cost model balancing inverse workers.
-        colocate_factors: decompose a layer's two factors on one rank.
-        compute_method: `'inverse'` (factored Tikhonov damping; the
-            default), `'eigen'` (exact damping; the original's default) or
-            `'ekfac'` (EIGEN's eigenbases with the scaling re-estimated
-            from each example's gradient on every factor update; see
-            [`kfac.layers.curvature.ekfac`][kfac.layers.curvature.ekfac]),
-            or a method with its options: a
-            [`CurvatureConfig`][kfac.layers.curvature.base.CurvatureConfig]
-            such as `EigenConfig(basis_refresh='qr')`, or one defined
-            outside the library (see
-            [`kfac.layers.curvature.base`][kfac.layers.curvature.base]).
-        compute_eigenvalue_outer_product: EIGEN: precompute
-            `1 / (d_G d_Aᵀ + λ)` at decomposition time; EKFAC: keep
-            `1 / (S + λ)` from each update of `S`; INVERSE: unused.
-        grad_worker_fraction: fraction of ranks that precondition each
-            layer's gradient: a float or a
-            [`DistributedStrategy`][kfac.enums.DistributedStrategy].
-        symmetry_aware: communicate symmetric matrices as packed triangles.
-        grad_scaler: the `GradScaler` (or a callable returning the loss
-            scale) of mixed-precision training.
-        factor_dtype: dtype of the running factors.
-        inv_dtype: dtype of the decompositions.
-        skip_layers: regexes of module names or class names to leave alone.
-        update_factors_in_hook: compute statistics in the hooks.
-        loglevel: the level at which the construction summary (options
-            and placement) is logged; nothing else.
-        module_options: per-module overrides: `{pattern: {option:
-            value}}`, a pattern selecting modules by dotted name or class
-            name; the options are `compute_method` (a
-            [`CurvatureConfig`][kfac.layers.curvature.base.CurvatureConfig],
-            say `EigenConfig(factor_rank=32)` for a wide layer) and the
-            per-module statistics options `batch_first`, `kfac_approx`,
-            `max_factor_dim` and `position_sample` (see
-            [`kfac.layers.options`][kfac.layers.options]).
-        optimizer: the optimizer (or a sequence of them, such as Muon on
-            the matrices and AdamW on the rest) that trains the model; the
-            learning rate is then read at every step from the param group
-            holding each registered weight (see
-            [`OptimizerLR`][kfac.hyperparams.OptimizerLR]). Not with `lr`.
-        relative_clip: `ρ`: the preconditioned gradient is at most `ρ`
-            times as long as the raw one, so the step always scales with
-            the learning rate; None: no such cap. `'auto'` (the default)
-            is 1.0 without `kl_clip` and None with it, so that `kl_clip`
-            alone is the original's clip; with both set the smaller
-            scale applies (the formulas are in [`kfac.math`][kfac.math]).
-        statistics: how `A` and `G` are formed (a
-            [`StatisticsConfig`][kfac.config.StatisticsConfig]: how the
-            loss averages, the input layout, expand or reduce, the
-            factor-size limit, sampled positions, compiled running
-            averages).
-        fisher: where `G`'s output gradients come from (a
-            [`FisherConfig`][kfac.config.FisherConfig]: empirical or Monte
-            Carlo).
-        sharding: how a model sharded with FSDP2 is preconditioned (a
-            [`ShardingConfig`][kfac.config.ShardingConfig]).
-        config: every non-schedulable option at once (a
-            [`KFACConfig`][kfac.config.KFACConfig]); the keywords it holds
-            must then be left at their defaults.
-
-    Every hyperparameter (`factor_update_steps` to `lr`, `relative_clip`)
-    may also be a callable `step -> value`.
-
+    Examples:
+        >>> import torch
+        >>> from torch import nn
+        >>> model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+        >>> optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        >>> preconditioner = KFACPreconditioner(model, optimizer=optimizer)
+        >>> list(preconditioner.layers)
+        ['0', '2']
     """
 
     def __init__(

@@ -23,7 +23,7 @@ any launch aborted or failed.
 
 A gloo rank used to abort at exit (`terminate called without an active
 exception`) in a few launches in a hundred, up to 6 in 40 on a busy
-two-core machine: see the docstring of `kfac.distributed._handles` for the
+two-core machine: see the docstring of `kfac.distributed._communicator` for the
 cause and
 `docs/guide/troubleshooting.md` for the measured counts.
 

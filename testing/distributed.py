@@ -224,8 +224,8 @@ def _run_rank(
     # when the interpreter starts shutting down is ended by CPython inside
     # C++ code that cannot unwind, and the rank aborts (SIGABRT). The pause
     # lets such a worker have the GIL. K-FAC's own collectives never need
-    # it (kfac.distributed._handles; scripts/exit_stress.py runs without any
-    # pause).
+    # it (kfac.distributed._communicator; scripts/exit_stress.py runs without
+    # any pause).
     time.sleep(_DRAIN_S)
     if dist.is_initialized():
         dist.destroy_process_group()

@@ -30,47 +30,308 @@ and no recompilation to the model's forward. Training mode, grad mode and
 `requires_grad` are read when the hook runs (or is traced: the compiler
 guards on them); whether the step updates factors is read when the call
 runs.
+
+Also here, as parts of capture: the hook plumbing (per-module tallies,
+hooks that copy as inert ones, the warning when another preconditioner
+hooks the same module, the compiler's guard on hook-less modules) and the
+loss scale of mixed-precision training, which `LossScale` reads from a
+`torch.amp.GradScaler` once per step and divides out of `G`.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import itertools
+import logging
+import sys
 import weakref
 from collections.abc import Callable
+from collections.abc import Iterator
 from collections.abc import Mapping
 from collections.abc import Sequence
 from typing import Any
+from typing import Protocol
 
 import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from kfac._engine.hooks import Hook
-from kfac._engine.hooks import Sink
-from kfac._engine.hooks import Tally
-from kfac._engine.hooks import by_module
-from kfac._engine.hooks import claim
-from kfac._engine.hooks import guard_module_hooks
-from kfac._engine.hooks import uncompiled
-from kfac._engine.hooks import warn_about_owners
-from kfac._engine.loss_scale import GradScalerLike
-from kfac._engine.loss_scale import LossScale
-from kfac._engine.loss_scale import fp16_autocast
 from kfac._engine.taps import GradTap
 from kfac._engine.taps import operators
 from kfac._engine.taps import register_receiver
 from kfac._engine.taps import unregister_receiver
 from kfac.layers.base import KFACBaseLayer
-from kfac.layers.factor import Captured
+from kfac.layers.helper import ModuleHelper
+from kfac.layers.statistics import Captured
 
-Phase = Callable[[str], contextlib.AbstractContextManager[None]]
-"""Makes the context manager that times a phase of the step."""
+__all__ = [
+    'Capture',
+    'GradScalerLike',
+    'Hook',
+    'LossScale',
+    'Sink',
+    'Tally',
+    'by_module',
+    'check_grad_scaler',
+    'claim',
+    'disabled',
+    'fp16_autocast',
+    'guard_module_hooks',
+    'inert',
+    'read_loss_scale',
+    'uncompiled',
+    'warn_about_owners',
+]
+
+logger = logging.getLogger(__name__)
+
+Sink = Callable[[int, torch.Tensor, ModuleHelper], torch.Tensor | None]
+"""`sink(call, grad, helper)`: sees the output gradient of a captured call
+first; returns the gradient to add (None: add nothing now, keep the
+call)."""
+
+
+class _Owner(Protocol):
+    @property
+    def attached(self) -> bool: ...
+
+
+_OWNERS: weakref.WeakKeyDictionary[nn.Module, weakref.ref[_Owner]] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def claim(module: nn.Module, owner: _Owner) -> None:
+    """Record that `owner` hooks `module` (weakly)."""
+    _OWNERS[module] = weakref.ref(owner)
+
+
+def warn_about_owners(modules: Mapping[str, Sequence[nn.Module]]) -> None:
+    """Warn if a layer's module is hooked by another attached owner."""
+    for name, owned in modules.items():
+        ref = _OWNERS.get(owned[0])
+        owner = None if ref is None else ref()
+        if owner is not None and owner.attached:
+            logger.warning(
+                'K-FAC: module %s already has the hooks of another '
+                'K-FAC preconditioner, which keep running and slow '
+                'every step; call remove() on the old preconditioner '
+                '(e.g. before re-running a notebook cell)',
+                name,
+            )
+            return
+
+
+@dataclasses.dataclass
+class Tally:
+    """A module's calls and backward passes in the current step."""
+
+    pending: int = 0
+    """Forward calls captured since its last completed backward pass."""
+    fired: int = 0
+    """Calls whose gradient arrived in the current backward pass."""
+    examples: int = 0
+    """Terms `G` averages over for those calls (the largest; see
+    `add_call`)."""
+    passes: int = 0
+    """Backward passes completed in this step."""
+
+
+def inert(*args: object) -> None:
+    """What a copied model's K-FAC hooks do: nothing."""
+
+
+def guard_module_hooks() -> None:
+    """Make `torch._dynamo` guard on modules without hooks, if it is
+    loaded (graphs are compiled only once it is).
+
+    By default (`skip_nnmodule_hook_guards`) a graph traced for a module
+    without hooks is reused after hooks are added, and for any other
+    instance of its class: K-FAC's hooks would silently not run. With the
+    guard such a graph is retraced.
+    """
+    config = sys.modules.get('torch._dynamo.config')
+    if config is not None:
+        # found in sys.modules, so typed as a plain module
+        config.skip_nnmodule_hook_guards = False  # type: ignore[attr-defined]
+
+
+def uncompiled(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """`fn`, or where `torch._dynamo` is loaded `fn` with the compiler
+    disabled while it runs: a hook runs eagerly inside a compiled call when
+    dynamo runs the model's own frame eagerly (a graph break in a loop),
+    and would otherwise compile every frame K-FAC's Python code calls.
+    """
+    if 'torch._dynamo' not in sys.modules:
+        return fn
+    return disabled(fn)
+
+
+@functools.cache
+def disabled(fn: Callable[..., Any]) -> Callable[..., Any]:
+    # torch.compiler.disable carries no annotations
+    disabled: Callable[..., Any] = torch.compiler.disable(fn)  # type: ignore[no-untyped-call]
+    return disabled
+
+
+def by_module(
+    modules: Mapping[str, Sequence[nn.Module]],
+) -> dict[nn.Module, tuple[str, ...]]:
+    """Per module, in first-seen order, the layers whose calls its calls
+    are (several for the tiles or groups of one module).
+    """
+    names: dict[nn.Module, tuple[str, ...]] = {}
+    for name, owners in modules.items():
+        for module in owners:
+            names[module] = (*names.get(module, ()), name)
+    return names
+
+
+class Hook:
+    """A hook of the capture. A deep copy of the model (an EMA or
+    evaluation copy) gets an inert hook instead of a copy of the whole
+    preconditioner: the copy is not preconditioned.
+    """
+
+    def __init__(self, fn: Callable[..., object]) -> None:
+        self._fn = fn
+
+    def __call__(self, *args: Any) -> Any:
+        return self._fn(*args)
+
+    def __deepcopy__(self, memo: dict[int, object]) -> Callable[..., None]:
+        return inert
+
+
+class _Scaler(Protocol):
+    def get_scale(self) -> float: ...
+
+
+GradScalerLike = _Scaler | Callable[[], float]
+"""A `torch.amp.GradScaler` (or the deprecated CUDA one), or a callable
+returning the current loss scale."""
 
 LogOnce = Callable[..., None]
 """`log_once(key, name, message, *args)`: log a warning once per key and
 name."""
+
+
+def check_grad_scaler(grad_scaler: object) -> None:
+    """Raise `TypeError` unless `grad_scaler` is None, has `get_scale()`
+    or is callable.
+    """
+    if grad_scaler is None or callable(grad_scaler):
+        return
+    if not hasattr(grad_scaler, 'get_scale'):
+        raise TypeError(
+            'grad_scaler must be None, a GradScaler or a callable '
+            f'returning the loss scale; got {grad_scaler!r}',
+        )
+
+
+def read_loss_scale(grad_scaler: GradScalerLike) -> float:
+    """The current loss scale of a scaler or a callable returning it."""
+    getter = getattr(grad_scaler, 'get_scale', None)
+    if getter is not None:
+        return float(getter())
+    return float(grad_scaler())  # type: ignore[operator]  # no get_scale: a callable
+
+
+def _scaler_unused(grad_scaler: object) -> bool:
+    """Whether a `torch.amp.GradScaler` has never scaled a loss.
+
+    Such a scaler reports its initial scale although no loss was
+    multiplied by it (its private `_scale` is created by the first
+    `scale()` call).
+    """
+    return hasattr(grad_scaler, '_scale') and grad_scaler._scale is None
+
+
+def fp16_autocast(output: torch.Tensor) -> bool:
+    """Whether `output` was made under float16 autocast."""
+    return output.dtype == torch.float16 and torch.is_autocast_enabled(
+        output.device.type
+    )
+
+
+class LossScale:
+    """The loss scale of the current step.
+
+    Args:
+        grad_scaler: the scaler, or None (a scale of 1).
+        log_once: logs a warning once per key and name.
+    """
+
+    def __init__(
+        self, grad_scaler: GradScalerLike | None, log_once: LogOnce
+    ) -> None:
+        self.grad_scaler = grad_scaler
+        self._log_once = log_once
+        self._value: float | None = None
+        self._pinned: float | None = None
+        is_enabled = getattr(grad_scaler, 'is_enabled', None)
+        if callable(is_enabled) and not is_enabled():
+            log_once(
+                'scaler-disabled',
+                '',
+                'K-FAC: the grad_scaler passed is disabled (a '
+                'torch.cuda.amp.GradScaler without CUDA, or enabled=False); '
+                'its scale is taken as 1',
+            )
+
+    def value(self) -> float:
+        """The loss scale of this step, read once per step (1 without a
+        scaler, or with one that has not scaled the loss).
+        """
+        scaler = self.grad_scaler
+        if self._pinned is not None:
+            return self._pinned
+        if scaler is None:
+            return 1.0
+        if self._value is None:
+            if _scaler_unused(scaler):
+                self._log_once(
+                    'scaler-unused',
+                    '',
+                    'K-FAC: the grad_scaler passed has not scaled the loss '
+                    '(call scaler.scale(loss).backward()); its scale is '
+                    'taken as 1',
+                )
+                self._value = 1.0
+            else:
+                self._value = read_loss_scale(scaler)
+        return self._value
+
+    def next_step(self) -> None:
+        """Forget this step's loss scale."""
+        self._value = None
+
+    def for_sampling(self) -> float:
+        """The scale to multiply a sampled loss by: this step's (read once),
+        or before the scaler has scaled a loss its initial scale (read
+        without a host synchronisation), 1 without a scaler.
+        """
+        scaler = self.grad_scaler
+        if scaler is not None and _scaler_unused(scaler):
+            return read_loss_scale(scaler)
+        return self.value()
+
+    @contextlib.contextmanager
+    def pinned(self, scale: float) -> Iterator[None]:
+        """Make `value()` return `scale` while the context runs (a backward
+        pass of a loss multiplied by it).
+        """
+        self._pinned = scale
+        try:
+            yield
+        finally:
+            self._pinned = None
+
+
+Phase = Callable[[str], contextlib.AbstractContextManager[None]]
+"""Makes the context manager that times a phase of the step."""
 
 
 class Capture:

@@ -18,7 +18,7 @@ from kfac.distributed import get_rank
 from kfac.distributed._exchange import broadcast_decompositions
 from kfac.enums import FACTOR_NAMES
 from kfac.layers.base import KFACBaseLayer
-from kfac.layers.decomposition import decompose_all
+from kfac.layers.base import decompose_all
 from kfac.tracing import Phase
 
 __all__ = ['decompose']

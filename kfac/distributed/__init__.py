@@ -30,15 +30,15 @@ excepted).
 from __future__ import annotations
 
 from kfac.distributed._agreement import gather_if_different
+from kfac.distributed._communicator import Handle
+from kfac.distributed._communicator import NonSquareTensorError
 from kfac.distributed._communicator import TorchDistributedCommunicator
+from kfac.distributed._communicator import fill_triu
+from kfac.distributed._communicator import get_triu
 from kfac.distributed._groups import GroupFunc
 from kfac.distributed._groups import default_group_func
 from kfac.distributed._groups import get_rank
 from kfac.distributed._groups import get_world_size
-from kfac.distributed._handles import Handle
-from kfac.distributed._packing import NonSquareTensorError
-from kfac.distributed._packing import fill_triu
-from kfac.distributed._packing import get_triu
 
 __all__ = [
     'GroupFunc',

@@ -24,33 +24,63 @@ Rules for every collective of
 * A tensor handed to a collective must not be modified until the `wait()`
   of its handle returns; use the tensor returned by `wait()` as the result.
   Each method says whether its input is written.
+
+Handles. A collective started with `async_op=True` gives its result
+later; the communicator returns a `Handle` whose `wait()` blocks until the
+tensor is there and returns it, rather than a value that is sometimes a
+tensor and sometimes a future. What the result needs afterwards
+(averaging, unpacking) runs in `wait()`, on the thread that waits
+(`DeferredHandle`), never as a Python callback chained with
+`Future.then`: torch runs such a callback, and frees it, on the thread
+that completes the future, for gloo a worker thread of the process group,
+which must take the GIL to do so. That thread must also take the GIL when
+it drops the last reference to a tensor other than its Python object's
+own (torch >= 2.10 then releases the Python object), so the communicator
+keeps each future, whose value holds the tensors, past its completion. A
+worker still waiting for the GIL when the interpreter starts shutting
+down is ended by CPython (`pthread_exit`) inside C++ code that may not be
+unwound, and the process aborts (`terminate called without an active
+exception`, SIGABRT) after the user's script has returned.
+
+Buffers and buckets. What travels in a collective is a flat buffer: a
+tensor, its packed upper triangle, or many of them concatenated into a
+bucket. An `Entry` records how to turn a reduced buffer back into the
+caller's tensor, and `finish` does it once the collective's future has
+completed, in the `wait()` of the handle, on the waiting thread.
+
+Packing. A symmetric `n x n` matrix is determined by its upper triangle;
+`get_triu` and `fill_triu` are pure tensor functions, as are the handles:
+neither needs `torch.distributed`.
+
+Examples:
+    >>> import torch
+    >>> matrix = torch.tensor([[1.0, 2.0], [2.0, 3.0]])
+    >>> get_triu(matrix)
+    tensor([1., 2., 3.])
+    >>> torch.equal(fill_triu(matrix.shape, get_triu(matrix)), matrix)
+    True
+    >>> handle = completed(torch.ones(2))
+    >>> handle.done(), handle.wait()
+    (True, tensor([1., 1.]))
 """
 
 from __future__ import annotations
 
+import abc
 import collections
+import dataclasses
+import functools
+import logging
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
-from kfac.distributed._buckets import Bucket
-from kfac.distributed._buckets import BucketHandle
-from kfac.distributed._buckets import Entry
-from kfac.distributed._buckets import payload
-from kfac.distributed._buckets import start_all_gather
-from kfac.distributed._buckets import start_allreduce
-from kfac.distributed._buckets import start_broadcast
-from kfac.distributed._buckets import start_scatter
-from kfac.distributed._buckets import then_finish
 from kfac.distributed._groups import check_src
 from kfac.distributed._groups import group_key
 from kfac.distributed._groups import group_size
-from kfac.distributed._handles import DeferredHandle
-from kfac.distributed._handles import Handle
-from kfac.distributed._handles import completed
-from kfac.distributed._packing import check_square
-from kfac.distributed._packing import get_triu
 from kfac.validation import check_bool
 from kfac.validation import type_error
 from kfac.validation import validate_float
@@ -58,7 +88,469 @@ from kfac.validation import validate_float
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
 
-__all__ = ['TorchDistributedCommunicator']
+__all__ = [
+    'Bucket',
+    'BucketHandle',
+    'DeferredHandle',
+    'Entry',
+    'FutureHandle',
+    'Handle',
+    'NonSquareTensorError',
+    'Record',
+    'TorchDistributedCommunicator',
+    'all_gather_op',
+    'completed',
+    'fill_triu',
+    'finish',
+    'get_triu',
+    'payload',
+    'start_all_gather',
+    'start_allreduce',
+    'start_broadcast',
+    'start_scatter',
+    'then_finish',
+    'unflatten',
+]
+
+TRIU_CACHE_MAX_N = 512
+"""Matrices up to this size keep their triangle indices in a cache."""
+
+
+class NonSquareTensorError(ValueError):
+    """A symmetric-matrix operation got a tensor that is not square 2-D."""
+
+
+def check_square(shape: torch.Size | tuple[int, ...], what: str) -> int:
+    """Return `n` if `shape` is `(n, n)`.
+
+    Args:
+        shape: the shape to check.
+        what: how the message names the tensor.
+
+    Raises:
+        NonSquareTensorError: `shape` is not `(n, n)`.
+
+    """
+    if len(shape) != 2 or shape[0] != shape[1]:
+        raise NonSquareTensorError(
+            f'{what} must be a square 2-D matrix; got shape {tuple(shape)}',
+        )
+    return int(shape[0])
+
+
+@functools.lru_cache(maxsize=64)
+def _cached_triu_indices(n: int, device: torch.device) -> torch.Tensor:
+    return torch.triu_indices(n, n, device=device)
+
+
+def _triu_indices(n: int, device: torch.device) -> torch.Tensor:
+    """Return `torch.triu_indices(n, n)`: rows and columns, shape (2, m)."""
+    if n <= TRIU_CACHE_MAX_N:
+        return _cached_triu_indices(n, device)
+    return torch.triu_indices(n, n, device=device)
+
+
+def get_triu(tensor: torch.Tensor) -> torch.Tensor:
+    """Return the upper triangle of a square matrix, diagonal included.
+
+    Args:
+        tensor: a matrix of shape (n, n).
+
+    Returns:
+        A new 1-D tensor of `n (n + 1) / 2` elements, the entries
+        `tensor[i, j]` with `i <= j` in row-major order.
+
+    Raises:
+        NonSquareTensorError: `tensor` is not a square 2-D tensor.
+
+    """
+    n = check_square(tensor.shape, 'tensor')
+    rows, cols = _triu_indices(n, tensor.device)
+    return tensor[rows, cols]
+
+
+def fill_triu(
+    shape: torch.Size | tuple[int, ...],
+    packed: torch.Tensor,
+) -> torch.Tensor:
+    """Rebuild a symmetric matrix from its packed upper triangle.
+
+    The inverse of `get_triu` on symmetric
+    matrices: entry `(i, j)` and entry `(j, i)` are both the packed value of
+    `(min(i, j), max(i, j))`.
+
+    Args:
+        shape: the matrix shape, (n, n).
+        packed: 1-D tensor of `n (n + 1) / 2` elements as from
+            `get_triu`.
+
+    Returns:
+        A new (n, n) tensor with the dtype and device of `packed`.
+
+    Raises:
+        NonSquareTensorError: `shape` is not square 2-D.
+        ValueError: `packed` is not 1-D of `n (n + 1) / 2` elements.
+
+    """
+    n = check_square(tuple(shape), 'shape')
+    if packed.dim() != 1 or packed.numel() != n * (n + 1) // 2:
+        raise ValueError(
+            f'packed must be 1-D with n * (n + 1) / 2 = {n * (n + 1) // 2} '
+            f'elements for shape {tuple(shape)}; got shape '
+            f'{tuple(packed.shape)}',
+        )
+    rows, cols = _triu_indices(n, packed.device)
+    matrix = packed.new_empty((n, n))
+    matrix[rows, cols] = packed
+    matrix[cols, rows] = packed
+    return matrix
+
+
+class Handle(abc.ABC):
+    """A tensor that may still be in flight."""
+
+    @abc.abstractmethod
+    def wait(self) -> torch.Tensor:
+        """Block until the value is available and return it."""
+
+    @abc.abstractmethod
+    def done(self) -> bool:
+        """Return whether `wait()` would return without blocking."""
+
+
+class _CompletedHandle(Handle):
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self._tensor = tensor
+
+    def wait(self) -> torch.Tensor:
+        return self._tensor
+
+    def done(self) -> bool:
+        return True
+
+
+class FutureHandle(Handle):
+    """A handle on a `torch.futures.Future` that yields a tensor."""
+
+    def __init__(self, future: torch.futures.Future[torch.Tensor]) -> None:
+        self._future = future
+
+    def wait(self) -> torch.Tensor:
+        """Return the future's value; re-raise its error if it failed."""
+        return self._future.wait()
+
+    def done(self) -> bool:
+        """Return whether the future has completed."""
+        return self._future.done()
+
+
+class DeferredHandle(Handle):
+    """A handle on a future whose result `finish()` computes in `wait()`.
+
+    The first `wait()` waits for `future` (raising its error if it
+    failed), then calls `finish()` on the waiting thread and keeps its
+    result; later calls return that result. No Python callback is attached
+    to `future`, so the thread that completes it (a process group's worker
+    thread) runs no Python code (see the module docstring).
+
+    Args:
+        future: the collective's future, typically from `Work.get_future()`.
+        finish: turns what the collective wrote into the result; called at
+            most once, after `future` has completed.
+
+    Examples:
+        >>> future = torch.futures.Future()
+        >>> handle = DeferredHandle(future, lambda: torch.ones(2) / 2)
+        >>> handle.done()
+        False
+        >>> future.set_result(None)
+        >>> handle.done(), handle.wait()
+        (True, tensor([0.5000, 0.5000]))
+        >>> handle.wait() is handle.wait()  # finished once
+        True
+
+    """
+
+    def __init__(
+        self,
+        future: torch.futures.Future[Any],
+        finish: Callable[[], torch.Tensor],
+    ) -> None:
+        self._future = future
+        self._finish: Callable[[], torch.Tensor] | None = finish
+        self._result: torch.Tensor | None = None
+
+    def wait(self) -> torch.Tensor:
+        """Wait for the future, then return the finished result."""
+        if self._finish is not None:
+            self._future.wait()  # raises the error of a failed collective
+            self._result = self._finish()
+            self._finish = None
+        assert self._result is not None  # set with _finish cleared
+        return self._result
+
+    def done(self) -> bool:
+        """Return whether the future has completed."""
+        return self._future.done()
+
+
+def completed(tensor: torch.Tensor) -> Handle:
+    """Return a handle whose `wait()` returns `tensor` at once."""
+    return _CompletedHandle(tensor)
+
+
+logger = logging.getLogger(__name__)
+
+Record = Callable[[str, torch.Tensor], None]
+"""Counts a collective: called with its kind and the buffer it sends."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Entry:
+    """How to turn a reduced flat slice back into the caller's tensor.
+
+    Attributes:
+        shape: the caller's tensor shape.
+        numel: elements that travel (the packed triangle's when `packed`).
+        packed: the slice is a packed upper triangle.
+        average: divide the reduced slice by the group size.
+
+    """
+
+    shape: torch.Size
+    numel: int
+    packed: bool
+    average: bool
+
+
+def finish(flat: torch.Tensor, entry: Entry, size: int) -> torch.Tensor:
+    """Average, unpack or reshape the reduced `flat` (written in place).
+
+    Args:
+        flat: the reduced 1-D slice (or the caller's tensor itself).
+        entry: what `flat` stands for.
+        size: the size of the group, divided by when `entry.average`.
+
+    Examples:
+        >>> entry = Entry(torch.Size([2, 2]), 3, packed=True, average=True)
+        >>> finish(torch.tensor([2.0, 4.0, 6.0]), entry, size=2)
+        tensor([[1., 2.],
+                [2., 3.]])
+
+    """
+    if entry.average:
+        flat.div_(size)
+    if entry.packed:
+        return fill_triu(entry.shape, flat)
+    return flat if flat.shape == entry.shape else flat.view(entry.shape)
+
+
+def payload(tensor: torch.Tensor, packed: bool) -> torch.Tensor:
+    """Return what travels for `tensor`: its triangle, or it (contiguous)."""
+    return get_triu(tensor) if packed else tensor.contiguous()
+
+
+def start_allreduce(
+    buffer: torch.Tensor,
+    group: ProcessGroup | None,
+) -> torch.futures.Future[Any]:
+    """Start a sum allreduce of `buffer` in place; return its future.
+
+    Every rank of `group` calls it with a buffer of the same shape.
+    """
+    all_reduce: Callable[..., dist.Work] = dist.all_reduce
+    work = all_reduce(buffer, op=dist.ReduceOp.SUM, group=group, async_op=True)
+    return work.get_future()
+
+
+def start_broadcast(
+    buffer: torch.Tensor,
+    src: int,
+    group: ProcessGroup | None,
+) -> torch.futures.Future[Any]:
+    """Start a broadcast of `src`'s `buffer` in place; return its future.
+
+    Every rank of `group` calls it with a buffer of the same shape.
+    """
+    broadcast: Callable[..., dist.Work] = dist.broadcast
+    work = broadcast(buffer, src=src, group=group, async_op=True)
+    return work.get_future()
+
+
+def all_gather_op() -> Callable[..., dist.Work]:
+    """`dist.all_gather_single` (torch 2.13, which deprecates its older
+    name), or before it `dist.all_gather_into_tensor`, the same collective.
+    """
+    single: Callable[..., dist.Work] | None = getattr(
+        dist, 'all_gather_single', None
+    )
+    return dist.all_gather_into_tensor if single is None else single
+
+
+def start_all_gather(
+    out: torch.Tensor,
+    buffer: torch.Tensor,
+    group: ProcessGroup,
+) -> torch.futures.Future[Any]:
+    """Start gathering every rank's `buffer` into `out`; return its future.
+
+    Every rank of `group` calls it with buffers of the same shape; `out`
+    holds `size` of them, in rank order.
+    """
+    gather = all_gather_op()
+    work = gather(out, buffer, group=group, async_op=True)
+    return work.get_future()
+
+
+def start_scatter(
+    out: torch.Tensor,
+    chunks: list[torch.Tensor] | None,
+    src: int,
+    group: ProcessGroup | None,
+) -> torch.futures.Future[Any]:
+    """Start scattering `src`'s `chunks` into every rank's `out`; return
+    its future.
+    """
+    scatter: Callable[..., dist.Work] = dist.scatter
+    work = scatter(out, chunks, src=src, group=group, async_op=True)
+    return work.get_future()
+
+
+def then_finish(
+    future: torch.futures.Future[Any],
+    buffer: torch.Tensor,
+    entry: Entry,
+    size: int,
+) -> Handle:
+    """Return a handle that waits for `future`, then finishes `buffer`.
+
+    `finish` runs in the handle's first `wait()`,
+    on the waiting thread, not as a callback of `future`. The error of a
+    failed collective is raised by `wait()`.
+    """
+    return DeferredHandle(future, lambda: finish(buffer, entry, size))
+
+
+class Bucket:
+    """Tensors of one group, dtype and device reduced as one flat buffer.
+
+    Once started, the bucket forgets its group and its parts; it keeps the
+    flat buffer and the entries until the first `wait()` splits the
+    reduced buffer into its tensors (on the waiting thread, see the
+    module's docstring).
+
+    Args:
+        group: the process group of the allreduce.
+        size: the size of `group`.
+        record: called with `'allreduce'` and the flat buffer when the
+            bucket starts.
+
+    """
+
+    def __init__(self, group: ProcessGroup, size: int, record: Record) -> None:
+        self.group: ProcessGroup | None = group
+        self.size = size
+        self.nbytes = 0
+        self._record = record
+        self._parts: list[torch.Tensor] = []
+        self._entries: list[Entry] = []
+        self._future: torch.futures.Future[Any] | None = None
+        self._flat: torch.Tensor | None = None
+        self._results: list[torch.Tensor] | None = None
+
+    @property
+    def started(self) -> bool:
+        """Whether the allreduce has been started."""
+        return self._future is not None
+
+    def add(self, tensor: torch.Tensor, entry: Entry) -> int:
+        """Append `tensor` (read when the bucket starts); return its index."""
+        self._parts.append(tensor.reshape(-1))
+        self._entries.append(entry)
+        self.nbytes += tensor.numel() * tensor.element_size()
+        return len(self._entries) - 1
+
+    def start(self) -> torch.futures.Future[Any]:
+        """Start the allreduce unless started; return its future.
+
+        A collective: every rank of the group starts its matching bucket at
+        the same point of its sequence of collectives.
+        """
+        if self._future is None:
+            flat = torch.cat(self._parts)
+            logger.debug(
+                'allreduce of a bucket of %d tensors, %d bytes',
+                len(self._parts),
+                self.nbytes,
+            )
+            self._record('allreduce', flat)
+            self._future = start_allreduce(flat, self.group)
+            self._flat = flat
+            self._parts, self.group = [], None
+        return self._future
+
+    def wait(self) -> list[torch.Tensor]:
+        """Start the allreduce if pending, wait for it; return the tensors.
+
+        The reduced buffer is split (and averaged, unpacked) by the first
+        call; later calls return the same tensors.
+        """
+        future = self.start()
+        if self._results is None:
+            future.wait()  # raises the error of a failed collective
+            assert self._flat is not None  # set by start()
+            self._results = unflatten(
+                future, self._flat, self._entries, self.size
+            )
+            self._flat, self._entries = None, []
+        return self._results
+
+
+def unflatten(
+    done: torch.futures.Future[Any],
+    flat: torch.Tensor,
+    entries: list[Entry],
+    size: int,
+) -> list[torch.Tensor]:
+    """Split a reduced bucket into the tensors of its `entries`.
+
+    Args:
+        done: the completed future of the allreduce; its error, if any, is
+            raised.
+        flat: the reduced buffer, the entries' slices one after another.
+        entries: what each slice stands for, in order.
+        size: the size of the group.
+
+    """
+    done.value()  # re-raises the error of a failed collective
+    results = []
+    offset = 0
+    for entry in entries:
+        part = flat[offset : offset + entry.numel]
+        results.append(finish(part, entry, size))
+        offset += entry.numel
+    return results
+
+
+class BucketHandle(Handle):
+    """Handle on one tensor of a bucket that may not have started yet."""
+
+    def __init__(self, bucket: Bucket, index: int) -> None:
+        self._bucket = bucket
+        self._index = index
+
+    def wait(self) -> torch.Tensor:
+        """Start the bucket if it is pending, then wait for this tensor.
+
+        Starting a pending bucket is a collective: if any rank can get here
+        before `flush()`, every rank of the group must wait on the same
+        handles in the same order.
+        """
+        return self._bucket.wait()[self._index]
+
+    def done(self) -> bool:
+        """Return whether the bucket has started and completed."""
+        return self._bucket.started and self._bucket.start().done()
 
 
 def _check_tensor(tensor: object, symmetric: bool, average: bool) -> None:
@@ -92,7 +584,7 @@ class TorchDistributedCommunicator:
     after that one has completed (the last ones until it is freed itself):
     the process group's worker thread lets go of the tensors just after
     the future completes and must not be the last to hold them (see
-    `kfac.distributed._handles`).
+    the module's docstring).
 
     Args:
         bucket_cap_mb: largest bucket of `allreduce_bucketed` in MiB; 0

@@ -25,9 +25,9 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from kfac.distributed._communicator import Handle
 from kfac.distributed._communicator import TorchDistributedCommunicator
 from kfac.distributed._groups import get_rank
-from kfac.distributed._handles import Handle
 from kfac.enums import FACTOR_NAMES
 
 if TYPE_CHECKING:

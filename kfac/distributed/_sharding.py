@@ -28,10 +28,10 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from kfac.distributed._communicator import Handle
 from kfac.distributed._communicator import TorchDistributedCommunicator
 from kfac.distributed._groups import get_rank
 from kfac.distributed._groups import group_ranks
-from kfac.distributed._handles import Handle
 from kfac.layers.helper import Grads
 
 if TYPE_CHECKING:

@@ -1,9 +1,9 @@
 """Per-layer K-FAC: module helpers, statistics, curvatures, registration.
 
 `import kfac.layers` imports its submodules (`attention`, `base`, `blocks`,
-`conv`, `curvature`, `decomposition`, `eigen`, `embedding`, `examples`,
-`factor`, `factory`, `helper`, `inverse`, `modules`,
-`options`, `register`, `sampling`, `statistics`, `tied`).
+`conv`, `curvature`, `eigen`, `embedding`, `examples`, `factory`,
+`helper`, `inverse`, `modules`, `options`, `register`, `sampling`,
+`statistics`, `tied`).
 """
 
 from __future__ import annotations
@@ -13,11 +13,9 @@ from kfac.layers import base
 from kfac.layers import blocks
 from kfac.layers import conv
 from kfac.layers import curvature
-from kfac.layers import decomposition
 from kfac.layers import eigen
 from kfac.layers import embedding
 from kfac.layers import examples
-from kfac.layers import factor
 from kfac.layers import factory
 from kfac.layers import helper
 from kfac.layers import inverse
@@ -40,11 +38,9 @@ __all__ = [
     'blocks',
     'conv',
     'curvature',
-    'decomposition',
     'eigen',
     'embedding',
     'examples',
-    'factor',
     'factory',
     'helper',
     'inverse',

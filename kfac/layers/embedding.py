@@ -15,7 +15,7 @@ and its `in` is `V`, so
   `N` read from the layout of the input, see `batch_first`).
 
 `A` is a *diagonal factor*
-([`KroneckerFactor.diagonal`][kfac.layers.factor.KroneckerFactor.diagonal]):
+([`KroneckerFactor.diagonal`][kfac.layers.statistics.KroneckerFactor.diagonal]):
 its running average, allreduce, decomposition and saved state are vectors
 of length `V`; no `(V, V)` matrix is ever formed. Its eigenvectors are the
 identity, so EIGEN keeps only its eigenvalues `d_A = a` and applies

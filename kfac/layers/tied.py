@@ -41,10 +41,10 @@ from typing import Any
 import torch
 
 from kfac.layers.examples import Call
-from kfac.layers.factor import Captured
-from kfac.layers.factor import KroneckerFactor
 from kfac.layers.helper import Grads
 from kfac.layers.helper import ModuleHelper
+from kfac.layers.statistics import Captured
+from kfac.layers.statistics import KroneckerFactor
 from kfac.layers.statistics import LayerStatistics
 from kfac.math.tied import kronecker_sum_factors
 

@@ -1,4 +1,4 @@
-"""Tests of kfac.distributed._buckets without a process group.
+"""Tests of kfac.distributed._communicator without a process group.
 
 The collective itself is replaced by a fake allreduce that sums in place
 as a group of two identical ranks would (it doubles the buffer), so the
@@ -15,15 +15,15 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from kfac.distributed import _buckets as buckets
-from kfac.distributed._buckets import Bucket
-from kfac.distributed._buckets import BucketHandle
-from kfac.distributed._buckets import Entry
-from kfac.distributed._buckets import finish
-from kfac.distributed._buckets import payload
-from kfac.distributed._buckets import then_finish
-from kfac.distributed._buckets import unflatten
-from kfac.distributed._packing import get_triu
+from kfac.distributed import _communicator as buckets
+from kfac.distributed._communicator import Bucket
+from kfac.distributed._communicator import BucketHandle
+from kfac.distributed._communicator import Entry
+from kfac.distributed._communicator import finish
+from kfac.distributed._communicator import get_triu
+from kfac.distributed._communicator import payload
+from kfac.distributed._communicator import then_finish
+from kfac.distributed._communicator import unflatten
 
 SYMMETRIC = torch.tensor([[1.0, 2.0, 3.0], [2.0, 4.0, 5.0], [3.0, 5.0, 6.0]])
 

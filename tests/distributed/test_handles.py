@@ -1,13 +1,13 @@
-"""kfac.distributed._handles: completed handles and handles on futures."""
+"""kfac.distributed._communicator: completed handles and handles on futures."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from kfac.distributed._handles import FutureHandle
-from kfac.distributed._handles import Handle
-from kfac.distributed._handles import completed
+from kfac.distributed._communicator import FutureHandle
+from kfac.distributed._communicator import Handle
+from kfac.distributed._communicator import completed
 
 
 def test_completed_handle_returns_its_tensor() -> None:

@@ -1,4 +1,4 @@
-"""kfac.distributed._packing: a symmetric matrix as its upper triangle."""
+"""kfac.distributed._communicator: a symmetric matrix as its upper triangle."""
 
 from __future__ import annotations
 
@@ -10,10 +10,10 @@ from hypothesis import given
 from hypothesis import settings
 from hypothesis import strategies as st
 
-from kfac.distributed import _packing as packing
-from kfac.distributed._packing import NonSquareTensorError
-from kfac.distributed._packing import fill_triu
-from kfac.distributed._packing import get_triu
+from kfac.distributed import _communicator as packing
+from kfac.distributed._communicator import NonSquareTensorError
+from kfac.distributed._communicator import fill_triu
+from kfac.distributed._communicator import get_triu
 
 DTYPES = (
     torch.float32,

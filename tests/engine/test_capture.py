@@ -22,10 +22,10 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from kfac._engine import hooks as hooks_module
+from kfac._engine import capture as capture_module
 from kfac._engine.capture import Capture
-from kfac._engine.loss_scale import check_grad_scaler
-from kfac._engine.loss_scale import read_loss_scale
+from kfac._engine.capture import check_grad_scaler
+from kfac._engine.capture import read_loss_scale
 from kfac.preconditioner import KFACPreconditioner
 from testing.models import TinyMLP
 from testing.models import classification_data
@@ -610,7 +610,9 @@ def test_without_the_compiler_loaded_nothing_of_it_is_touched(
     monkeypatch.setattr(
         torch._dynamo.config, 'skip_nnmodule_hook_guards', True
     )
-    monkeypatch.setattr(hooks_module, 'sys', types.SimpleNamespace(modules={}))
-    hooks_module.guard_module_hooks()
+    monkeypatch.setattr(
+        capture_module, 'sys', types.SimpleNamespace(modules={})
+    )
+    capture_module.guard_module_hooks()
     assert torch._dynamo.config.skip_nnmodule_hook_guards
-    assert hooks_module.uncompiled(Capture.on_input) is Capture.on_input
+    assert capture_module.uncompiled(Capture.on_input) is Capture.on_input

@@ -22,11 +22,11 @@ from kfac.assignment import KAISAAssignment
 from kfac.assignment import decomposition_work
 from kfac.distributed import TorchDistributedCommunicator
 from kfac.layers.base import KFACBaseLayer
+from kfac.layers.base import LinAlgError
 from kfac.layers.curvature import Curvature
 from kfac.layers.curvature import CurvatureConfig
 from kfac.layers.curvature import Decomposed
 from kfac.layers.curvature.base import Layout
-from kfac.layers.decomposition import LinAlgError
 from kfac.layers.eigen import KFACEigenLayer
 from kfac.layers.modules import LinearModuleHelper
 from kfac.tracing import Faults

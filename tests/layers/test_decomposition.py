@@ -1,12 +1,12 @@
-"""kfac.layers.decomposition: the retry policy's matrices."""
+"""kfac.layers.base: the retry policy's matrices."""
 
 from __future__ import annotations
 
 import torch
 
-from kfac.layers.decomposition import JITTER
-from kfac.layers.decomposition import all_finite
-from kfac.layers.decomposition import prepare
+from kfac.layers.base import JITTER
+from kfac.layers.base import all_finite
+from kfac.layers.base import prepare
 
 F64 = torch.float64
 

@@ -1,4 +1,6 @@
-"""kfac.layers.factor: KroneckerFactor's batch, running average and undo."""
+"""kfac.layers.statistics: KroneckerFactor's batch, running average and
+undo.
+"""
 
 from __future__ import annotations
 
@@ -7,8 +9,8 @@ import math
 import pytest
 import torch
 
-from kfac.layers.factor import KroneckerFactor
-from kfac.layers.factor import fold_batch
+from kfac.layers.statistics import KroneckerFactor
+from kfac.layers.statistics import fold_batch
 from testing.asserts import assert_rel_close
 
 F64 = torch.float64

@@ -194,7 +194,7 @@ def test_gram_scales_rows_before_the_product() -> None:
 
 
 def test_damped_inverse_rejects_an_indefinite_matrix() -> None:
-    from kfac.layers.decomposition import LinAlgError
+    from kfac.layers.base import LinAlgError
 
     bad = torch.diag(torch.tensor([1.0, -5.0], dtype=F64))
     with pytest.raises(LinAlgError, match='not positive definite'):

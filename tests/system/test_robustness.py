@@ -18,9 +18,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from kfac import math as kmath
+from kfac.layers.base import LinAlgError
 from kfac.layers.curvature import eigen as eigen_module
 from kfac.layers.curvature import inverse as inverse_module
-from kfac.layers.decomposition import LinAlgError
 from kfac.preconditioner import KFACPreconditioner
 from testing.models import TinyMLP
 from testing.models import classification_data

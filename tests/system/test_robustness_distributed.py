@@ -14,8 +14,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from kfac import math as kmath
+from kfac.layers.base import LinAlgError
 from kfac.layers.curvature import eigen as eigen_module
-from kfac.layers.decomposition import LinAlgError
 from kfac.preconditioner import KFACPreconditioner
 from testing.distributed import DistributedTestError
 from testing.distributed import run_distributed
