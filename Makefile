@@ -13,7 +13,7 @@ TORCH_INDEX ?=
 TORCH_INDEX_ARG := $(if $(TORCH_INDEX),--index-url '$(TORCH_INDEX)')
 STAMP := $(VENV)/.installed
 
-.PHONY: test lint typecheck pytest venv clean docs
+.PHONY: test lint typecheck pytest venv clean docs dist
 
 test: $(STAMP) lint typecheck docs pytest
 
@@ -53,6 +53,14 @@ pytest: $(STAMP)
 	$(VENV)/bin/coverage run -m pytest -q -p no:cacheprovider
 	$(VENV)/bin/coverage combine -q
 	$(VENV)/bin/coverage report
+
+# `make dist`: the release's wheel and sdist in dist/ (python -m build, in
+# an isolated environment with setuptools from pip's indexes), checked by
+# twine. tests/system/test_wheel.py checks the wheel's files in make test.
+dist: $(STAMP)
+	rm -rf dist
+	$(PY) -m build
+	$(VENV)/bin/twine check --strict dist/*
 
 # `make test-torch TORCH_SPEC='torch==2.6.0'`: the pytest suite alone (no
 # lint, types, docs or coverage) on another torch release, in a venv of its
