@@ -63,7 +63,7 @@ from kfac.preconditioner import KFACPreconditioner
 from kfac.scheduler import LambdaParamScheduler
 from kfac.tracing import PhaseTimer
 
-__version__ = '0.1.0'
+__version__ = '0.5.0'
 
 __all__ = [
     'ORIGINAL_DEFAULTS',

@@ -76,7 +76,8 @@ __all__ = [
 
 
 FractionLike = float | DistributedStrategy | str
-"""A gradient worker fraction in (0, 1], a
+"""A gradient worker fraction in (0, 1] (0, the original KAISA code's
+spelling of `1 / world_size`, is `MEM_OPT`), a
 [`DistributedStrategy`][kfac.enums.DistributedStrategy], or its name."""
 
 

@@ -172,28 +172,34 @@ def parse_grad_worker_fraction(value: object) -> float | DistributedStrategy:
     Args:
         value: a real number in (0, 1], or a
             [`DistributedStrategy`][kfac.enums.DistributedStrategy] or its
-            name (case-insensitive).
+            name (case-insensitive). 0 is the original KAISA code's
+            spelling of one gradient worker per layer, `1 / world_size`:
+            it gives `MEM_OPT`.
 
     Returns:
         The fraction as a `float`, or the strategy.
 
     Raises:
         TypeError: `value` is neither a real number nor a strategy.
-        ValueError: `value` is out of (0, 1] or names no strategy.
+        ValueError: `value` is out of [0, 1] or names no strategy.
 
     Examples:
         >>> parse_grad_worker_fraction('mem-opt')
         <DistributedStrategy.MEM_OPT: 'mem_opt'>
         >>> parse_grad_worker_fraction(1)
         1.0
+        >>> parse_grad_worker_fraction(0)
+        <DistributedStrategy.MEM_OPT: 'mem_opt'>
 
     """
     name = 'grad_worker_fraction'
     if isinstance(value, DistributedStrategy | str):
         return parse_enum(DistributedStrategy, value, name)
     if not is_real(value):
-        allowed = 'a float in (0, 1], a DistributedStrategy or its name'
+        allowed = 'a float in [0, 1], a DistributedStrategy or its name'
         raise type_error(name, value, allowed)
+    if value == 0:
+        return DistributedStrategy.MEM_OPT
     return validate_float(name, value, low=0.0, high=1.0)
 
 
@@ -203,9 +209,10 @@ def grad_workers_from_fraction(value: object, world_size: int) -> int:
     Args:
         value: a fraction as
             [`parse_grad_worker_fraction`][kfac.placement.parse_grad_worker_fraction]
-            accepts. `COMM_OPT` gives `world_size`, `MEM_OPT` 1 and
-            `HYBRID_OPT` the fraction 0.5, except at `world_size == 1`,
-            where it gives the one rank.
+            accepts. `COMM_OPT` gives `world_size`, `MEM_OPT` (or 0) 1 and
+            `HYBRID_OPT` the fraction 0.5; at `world_size == 1` every
+            fraction gives the one rank (as in the original KAISA code, so
+            that a script written for many ranks runs on one).
         world_size: number of ranks, at least 1.
 
     Raises:
@@ -224,9 +231,7 @@ def grad_workers_from_fraction(value: object, world_size: int) -> int:
     shown = repr(value)
     if fraction is DistributedStrategy.COMM_OPT:
         return size
-    if fraction is DistributedStrategy.MEM_OPT or (
-        fraction is DistributedStrategy.HYBRID_OPT and size == 1
-    ):
+    if fraction is DistributedStrategy.MEM_OPT or size == 1:
         return 1
     if isinstance(fraction, DistributedStrategy):
         shown, fraction = f'{fraction.name} (0.5)', 0.5

@@ -34,6 +34,7 @@ from kfac.distributed import TorchDistributedCommunicator
 from kfac.distributed import gather_if_different
 from kfac.distributed import get_rank
 from kfac.distributed import get_world_size
+from kfac.enums import AllreduceMethod
 from kfac.enums import AssignmentStrategy
 from kfac.enums import ComputeMethod
 from kfac.enums import DistributedStrategy
@@ -221,6 +222,7 @@ class KFACPreconditioner(BaseKFACPreconditioner):
                     {n: layer.module.weight for n, layer in layers.items()},
                 )
             )
+        self._kaisa = assignment
         super().__init__(
             layers,
             assignment=assignment,
@@ -244,7 +246,7 @@ class KFACPreconditioner(BaseKFACPreconditioner):
         )
         """The Monte Carlo Fisher's sampler."""
         self._report = describe_registration(self.registration, layers)
-        logger.info('%s', format_report(self._report))
+        logger.log(config.loglevel, '%s', format_report(self._report))
         logger.log(config.loglevel, 'K-FAC: %s; %s', config, assignment)
 
     def sample_fisher(
@@ -297,13 +299,88 @@ class KFACPreconditioner(BaseKFACPreconditioner):
             self.fisher.seed = fisher['mc_seed']
 
     def describe(self) -> dict[str, list[dict[str, Any]]]:
-        """The registration report (logged at `INFO` at construction).
+        """The registration report (logged at `loglevel` at construction).
 
         Returns:
             `{'preconditioned': [...], 'not_preconditioned': [...]}`: see
                 `describe_registration`.
         """
         return copy.deepcopy(self._report)
+
+    # The original KAISA code's attributes, read from `config` (the
+    # settings it holds, normalised) and the placement.
+
+    @property
+    def allreduce_bucket_cap_mb(self) -> float:
+        """Bucket size of the factor allreduce in MB (0: not bucketed)."""
+        return self.config.allreduce_bucket_cap_mb
+
+    @property
+    def allreduce_method(self) -> AllreduceMethod:
+        """`ALLREDUCE_BUCKETED`, or `ALLREDUCE` with a bucket size of 0."""
+        if self.config.allreduce_bucket_cap_mb > 0:
+            return AllreduceMethod.ALLREDUCE_BUCKETED
+        return AllreduceMethod.ALLREDUCE
+
+    @property
+    def assignment_strategy(self) -> AssignmentStrategy:
+        """The cost model that balances the inverse workers."""
+        return AssignmentStrategy(self.config.assignment_strategy)
+
+    @property
+    def colocate_factors(self) -> bool:
+        """Whether a layer's factors are decomposed on one rank."""
+        return self.config.colocate_factors
+
+    @property
+    def compute_eigenvalue_outer_product(self) -> bool:
+        """EIGEN's option of the same name (see `KFACConfig`)."""
+        return self.config.compute_eigenvalue_outer_product
+
+    @property
+    def compute_method(self) -> ComputeMethod | CurvatureConfig:
+        """The model-wide method: a name, or its config object."""
+        return self.config.compute_method  # type: ignore[return-value]  # normalised by KFACConfig
+
+    @property
+    def distributed_strategy(self) -> DistributedStrategy:
+        """The strategy the gradient workers per layer amount to:
+        `COMM_OPT` (every rank, one process included), `MEM_OPT` (one rank)
+        or `HYBRID_OPT` (between).
+        """
+        workers, size = self._kaisa.grad_workers, self._kaisa.plan.world_size
+        if workers == size:
+            return DistributedStrategy.COMM_OPT
+        if workers == 1:
+            return DistributedStrategy.MEM_OPT
+        return DistributedStrategy.HYBRID_OPT
+
+    @property
+    def grad_worker_fraction(self) -> float:
+        """Gradient workers per layer over the world size (1.0 on one
+        process, whatever fraction was given).
+        """
+        return self._kaisa.grad_worker_fraction
+
+    @property
+    def factor_dtype(self) -> torch.dtype | None:
+        """The dtype of the factors (None: the layer's, float32 at least)."""
+        return self.config.factor_dtype
+
+    @property
+    def inv_dtype(self) -> torch.dtype | None:
+        """The dtype of the decompositions (None: the factors')."""
+        return self.config.inv_dtype
+
+    @property
+    def skip_layers(self) -> list[str]:
+        """The patterns of module names and types left to the optimizer."""
+        return list(self.config.skip_layers)  # type: ignore[arg-type]  # a tuple once normalised
+
+    @property
+    def symmetry_aware(self) -> bool:
+        """Whether factors travel as packed triangles."""
+        return self.config.symmetry_aware
 
     def _update_factors(self) -> None:
         super()._update_factors()

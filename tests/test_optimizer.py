@@ -349,3 +349,220 @@ def test_disabled_or_callable_scalers_step_as_usual() -> None:
     loss_of(model, 0).backward()
     opt.step()
     assert opt.preconditioner.steps == 1
+
+
+# Several base optimizers -----------------------------------------------------
+
+
+def split(model: nn.Module) -> list[torch.optim.Optimizer]:
+    """SGD on the weight matrices, Adam on the rest (Muon and AdamW's
+    split, with optimizers of every torch release)."""
+    matrices = [p for p in model.parameters() if p.ndim == 2]
+    rest = [p for p in model.parameters() if p.ndim != 2]
+    return [
+        torch.optim.SGD(matrices, lr=0.1, momentum=0.9),
+        torch.optim.Adam(rest, lr=0.01),
+    ]
+
+
+def build_split(
+    model: TinyMLP | None = None,
+    make: Callable[[nn.Module], list[torch.optim.Optimizer]] = split,
+    **options: Any,
+) -> tuple[TinyMLP, KFACOptimizer]:
+    torch.manual_seed(0)
+    model = model or TinyMLP()
+    precon = KFACPreconditioner(model, damping=0.01, **options)
+    return model, KFACOptimizer(make(model), precon)
+
+
+def by_hand(
+    model: nn.Module,
+    make: Callable[[nn.Module], list[torch.optim.Optimizer]],
+    seeds: range,
+) -> None:
+    """The loop the wrapper stands for: precondition, step each."""
+    optimizers = make(model)
+    precon = KFACPreconditioner(model, damping=0.01, optimizer=optimizers)
+    for seed in seeds:
+        for optimizer in optimizers:
+            optimizer.zero_grad()
+        loss_of(model, seed).backward()
+        precon.step()
+        for optimizer in optimizers:
+            optimizer.step()
+
+
+def assert_same(got: nn.Module, want: nn.Module) -> None:
+    for a, b in zip(got.parameters(), want.parameters(), strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def test_several_base_optimizers_equal_the_loop_by_hand() -> None:
+    model, opt = build_split()
+    ref = copy.deepcopy(model)
+    train(model, opt, range(3))
+    by_hand(ref, split, range(3))
+    assert opt.preconditioner.steps == 3
+    assert_same(model, ref)
+
+
+@MUON
+def test_muon_on_the_matrices_and_adamw_on_the_rest() -> None:
+    def muon_adamw(model: nn.Module) -> list[torch.optim.Optimizer]:
+        matrices = [p for p in model.parameters() if p.ndim == 2]
+        rest = [p for p in model.parameters() if p.ndim != 2]
+        return [
+            torch.optim.Muon(matrices, lr=0.02, weight_decay=0.0),
+            torch.optim.AdamW(rest, lr=0.003),
+        ]
+
+    model, opt = build_split(make=muon_adamw)
+    ref = copy.deepcopy(model)
+    before = params(model)
+    train(model, opt, range(3))
+    by_hand(ref, muon_adamw, range(3))
+    assert_same(model, ref)
+    muon = opt.base_optimizers[0]
+    assert opt.preconditioner.lr == muon.param_groups[0]['lr']
+    assert all(
+        not torch.equal(a, b)
+        for a, b in zip(before, model.parameters(), strict=True)
+    )
+
+
+def test_several_param_groups_state_and_defaults() -> None:
+    model, opt = build_split()
+    sgd, adam = opt.base_optimizers
+    groups = opt.param_groups
+    assert [id(g) for g in groups] == [
+        id(g) for g in (*sgd.param_groups, *adam.param_groups)
+    ]
+    assert opt.defaults is sgd.defaults
+    train(model, opt, range(1))
+    state = opt.state
+    assert set(state) == set(sgd.state) | set(adam.state)
+    assert len(state) == len(list(model.parameters()))
+    assert all(state[p] is adam.state[p] for p in adam.state)
+    # Written back, each optimizer gets the state of its own parameters.
+    opt.state = {p: dict(s) for p, s in state.items()}
+    assert set(sgd.state) == {p for g in sgd.param_groups for p in g['params']}
+    assert set(adam.state) == {
+        p for g in adam.param_groups for p in g['params']
+    }
+    opt.param_groups = [dict(g) for g in groups]
+    assert opt.param_groups[0] is sgd.param_groups[0] is not groups[0]
+    with pytest.raises(ValueError, match='param_groups: 1 groups'):
+        opt.param_groups = groups[:1]
+    opt.defaults = {'lr': 0.5}
+    assert sgd.defaults == {'lr': 0.5}
+    opt.zero_grad()
+    assert all(p.grad is None for p in model.parameters())
+    assert repr(opt).startswith('KFACOptimizer(SGD, Adam, KFACPreconditioner(')
+
+
+def test_a_schedule_on_the_wrapper_reaches_every_base_optimizer() -> None:
+    model, opt = build_split()
+    sgd, adam = opt.base_optimizers
+    initial = [g['lr'] for g in opt.param_groups]
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 0.5**step)
+    for seed in range(3):
+        train(model, opt, range(seed, seed + 1))
+        sched.step()
+        factor = 0.5 ** (seed + 1)
+        assert sgd.param_groups[0]['lr'] == initial[0] * factor
+        assert adam.param_groups[0]['lr'] == initial[1] * factor
+    # The preconditioner reads each layer's rate from its weight's group.
+    assert opt.preconditioner.lr == sgd.param_groups[0]['lr']
+
+
+def test_several_state_dict_resume_equals_uninterrupted() -> None:
+    model, opt = build_split(factor_update_steps=2, inv_update_steps=3)
+    train(model, opt, range(3))
+    buffer = io.BytesIO()
+    torch.save(
+        {'model': model.state_dict(), 'optimizer': opt.state_dict()}, buffer
+    )
+    train(model, opt, range(3, 6))
+    buffer.seek(0)
+    saved = torch.load(buffer, weights_only=True)
+    assert len(saved['optimizer']['base_optimizers']) == 2
+    resumed, resumed_opt = build_split(
+        factor_update_steps=2, inv_update_steps=3
+    )
+    resumed.load_state_dict(saved['model'])
+    resumed_opt.load_state_dict(saved['optimizer'])
+    train(resumed, resumed_opt, range(3, 6))
+    assert_same(resumed, model)
+
+
+def test_a_single_optimizer_state_of_before_still_loads() -> None:
+    # The format KFACOptimizer wrote for one base optimizer before it took
+    # several (and Lightning checkpoints hold), spelled out: a plain loop's
+    # optimizer and preconditioner states under these two keys.
+    torch.manual_seed(0)
+    model = TinyMLP()
+    sgd = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    precon = KFACPreconditioner(model, damping=0.01, optimizer=sgd)
+    wrapper = KFACOptimizer(sgd, precon)
+    train(model, wrapper, range(2))
+    saved = {
+        'model': copy.deepcopy(model.state_dict()),
+        'optimizer': {
+            'base_optimizer': copy.deepcopy(sgd.state_dict()),
+            'preconditioner': copy.deepcopy(precon.state_dict()),
+        },
+    }
+    train(model, wrapper, range(2, 4))
+    for wrap in (lambda o: o, lambda o: [o]):
+        resumed, built = build()
+        built.remove()
+        opt = KFACOptimizer(wrap(built.base_optimizer), built.preconditioner)
+        resumed.load_state_dict(saved['model'])
+        # A copy each time: loading shares the tensors, which train on.
+        opt.load_state_dict(copy.deepcopy(saved['optimizer']))
+        train(resumed, opt, range(2, 4))
+        assert_same(resumed, model)
+        assert set(opt.state_dict()) == set(saved['optimizer'])
+
+
+def test_several_base_optimizers_are_checked() -> None:
+    model, opt = build_split()
+    sgd, adam = opt.base_optimizers
+    with pytest.raises(TypeError, match='base_optimizer must be'):
+        KFACOptimizer([], opt.preconditioner)
+    with pytest.raises(TypeError, match='base_optimizer must be'):
+        KFACOptimizer([sgd, model], opt.preconditioner)  # type: ignore[list-item]  # the error tested
+    with pytest.raises(TypeError, match='already a KFACOptimizer'):
+        KFACOptimizer([opt, adam], opt.preconditioner)
+    both = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(ValueError, match='is in base optimizers 0 and 1'):
+        KFACOptimizer([sgd, both], opt.preconditioner)
+    with pytest.raises(ValueError, match='fc1, fc2 are in no param group'):
+        KFACOptimizer([adam], opt.preconditioner)
+    with pytest.raises(AttributeError, match='2 base optimizers'):
+        _ = opt.base_optimizer
+    with pytest.raises(ValueError, match='add_param_group: this'):
+        opt.add_param_group({'params': [nn.Parameter(torch.zeros(2))]})
+    _, single = build()
+    with pytest.raises(ValueError, match='holds 1 base optimizer states'):
+        opt.load_state_dict(single.state_dict())
+    with pytest.raises(ValueError, match="'base_optimizer' and"):
+        opt.load_state_dict({'base_optimizers': {}, 'preconditioner': {}})
+    loss_of(model, 0).backward()
+    with pytest.raises(RuntimeError, match='Adam, a base optimizer'):
+        adam.step()
+
+
+@pytest.mark.parametrize('unscale', [False, True])
+def test_several_base_optimizers_under_a_grad_scaler(unscale: bool) -> None:
+    scaler = torch.amp.GradScaler('cpu', init_scale=2.0**10)
+    model, opt = build_split(grad_scaler=scaler, update_factors_in_hook=False)
+    ref, ref_opt = build_split(copy.deepcopy(model))
+    for seed in range(3):
+        scaled_step(model, opt, scaler, seed, unscale=unscale)
+    scaled_step(model, opt, scaler, 3, poison=True)  # skipped
+    train(ref, ref_opt, range(3))
+    assert opt.preconditioner.steps == 3
+    for got, want in zip(model.parameters(), ref.parameters(), strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-7)

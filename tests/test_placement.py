@@ -333,7 +333,6 @@ def test_fraction_must_give_a_divisor(fraction: float, workers: str) -> None:
 @pytest.mark.parametrize(
     ('fraction', 'error', 'match'),
     [
-        (0, ValueError, '^grad_worker_fraction ' + IN_RANGE + '0$'),
         (-0.5, ValueError, '^grad_worker_fraction ' + IN_RANGE + '-0.5$'),
         (1.5, ValueError, '^grad_worker_fraction ' + IN_RANGE + '1.5$'),
         (2, ValueError, '^grad_worker_fraction ' + IN_RANGE + '2$'),
@@ -352,6 +351,26 @@ def test_invalid_fractions(
         grad_workers_from_fraction(fraction, 4)
     with pytest.raises(error, match=match):
         parse_grad_worker_fraction(fraction)
+
+
+@pytest.mark.parametrize('world_size', [1, 2, 3, 4, 8])
+def test_zero_is_the_original_spelling_of_mem_opt(world_size: int) -> None:
+    # The original KAISA code read grad_worker_fraction=0 as 1 / world_size.
+    smallest = valid_grad_worker_fractions(world_size)[0]
+    assert parse_grad_worker_fraction(0) is DistributedStrategy.MEM_OPT
+    assert parse_grad_worker_fraction(0.0) is DistributedStrategy.MEM_OPT
+    assert grad_workers_from_fraction(0, world_size) == (
+        grad_workers_from_fraction(smallest, world_size)
+    )
+    assert grad_workers_from_fraction(0, world_size) == (
+        grad_workers_from_fraction('mem_opt', world_size)
+    )
+
+
+@pytest.mark.parametrize('fraction', [0.3, 0.5, 0.75, 'hybrid_opt', 1])
+def test_one_rank_is_every_fraction_one_worker(fraction: object) -> None:
+    # A script written for many ranks runs on one, as in the original.
+    assert grad_workers_from_fraction(fraction, 1) == 1
 
 
 def test_hybrid_opt_on_odd_world_lists_valid_fractions() -> None:

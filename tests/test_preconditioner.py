@@ -14,8 +14,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kfac.assignment import KAISAAssignment
+from kfac.assignment import decomposition_work
 from kfac.base_preconditioner import BaseKFACPreconditioner
 from kfac.config import EngineOptions
+from kfac.enums import AllreduceMethod
+from kfac.enums import AssignmentStrategy
+from kfac.enums import ComputeMethod
+from kfac.enums import DistributedStrategy
 from kfac.hyperparams import ORIGINAL_DEFAULTS
 from kfac.layers.curvature import EigenConfig
 from kfac.layers.curvature import EKFACConfig
@@ -539,3 +545,74 @@ def test_cost_options_are_validated(
 ) -> None:
     with pytest.raises(error, match=match):
         build()
+
+
+def test_original_attributes_read_the_configuration() -> None:
+    # The original KAISA code's attributes of KFACPreconditioner.
+    given: dict[str, Any] = {
+        'allreduce_bucket_cap_mb': 0,
+        'assignment_strategy': 'memory',
+        'colocate_factors': False,
+        'compute_method': 'eigen',
+        'compute_eigenvalue_outer_product': False,
+        'factor_dtype': torch.float64,
+        'inv_dtype': torch.float64,
+        'skip_layers': ['conv'],
+        'symmetry_aware': True,
+    }
+    precon = KFACPreconditioner(TinyCNN(), **given)
+    for name, value in given.items():
+        assert getattr(precon, name) == value, name
+    assert precon.allreduce_method is AllreduceMethod.ALLREDUCE
+    assert precon.assignment_strategy is AssignmentStrategy.MEMORY
+    assert precon.compute_method is ComputeMethod.EIGEN
+    bucketed = KFACPreconditioner(TinyMLP(), allreduce_bucket_cap_mb=1)
+    assert bucketed.allreduce_method is AllreduceMethod.ALLREDUCE_BUCKETED
+
+
+@pytest.mark.parametrize('fraction', [0, 0.5, 1, 'mem_opt', 'hybrid_opt'])
+def test_one_process_is_comm_opt_whatever_the_fraction(
+    fraction: float | str,
+) -> None:
+    precon = KFACPreconditioner(TinyMLP(), grad_worker_fraction=fraction)
+    assert precon.grad_worker_fraction == 1.0
+    assert precon.distributed_strategy is DistributedStrategy.COMM_OPT
+
+
+@pytest.mark.parametrize(
+    ('fraction', 'expected', 'strategy'),
+    [
+        (1, 1.0, DistributedStrategy.COMM_OPT),
+        (0.5, 0.5, DistributedStrategy.HYBRID_OPT),
+        (0.25, 0.25, DistributedStrategy.MEM_OPT),
+        (0, 0.25, DistributedStrategy.MEM_OPT),
+    ],
+)
+def test_distributed_strategy_follows_the_placement(
+    fraction: float, expected: float, strategy: DistributedStrategy
+) -> None:
+    # The placement of a rank of 4 (no process group: groups are not made).
+    precon = KFACPreconditioner(TinyMLP())
+    precon._kaisa = KAISAAssignment(
+        decomposition_work(precon.layers, 'compute'),
+        local_rank=0,
+        world_size=4,
+        grad_worker_fraction=fraction,
+        group_func=lambda ranks: None,
+    )
+    assert precon.grad_worker_fraction == expected
+    assert precon.distributed_strategy is strategy
+
+
+def test_loglevel_sets_the_level_of_construction_messages(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    with caplog.at_level(logging.INFO, logger='kfac'):
+        KFACPreconditioner(TinyMLP())  # loglevel=logging.DEBUG
+    assert caplog.records == []
+    with caplog.at_level(logging.INFO, logger='kfac'):
+        KFACPreconditioner(TinyMLP(), loglevel=logging.INFO)
+    messages = [r.getMessage() for r in caplog.records]
+    assert [r.levelno for r in caplog.records] == [logging.INFO] * 2
+    assert messages[0].startswith('K-FAC preconditions 2 modules')
+    assert 'KAISAAssignment' in messages[1]

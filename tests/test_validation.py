@@ -124,7 +124,7 @@ INVALID: list[tuple[dict[str, Any], type[Exception], str]] = [
     ({'compute_method': ComputeMethod}, TypeError, 'compute_method'),
     ({'grad_worker_fraction': 'half'}, ValueError, 'grad_worker_fraction'),
     (
-        {'grad_worker_fraction': 0.0},
+        {'grad_worker_fraction': -0.5},
         ValueError,
         'grad_worker_fraction must be a finite number > 0.0 and <= 1.0',
     ),
@@ -132,7 +132,7 @@ INVALID: list[tuple[dict[str, Any], type[Exception], str]] = [
     (
         {'grad_worker_fraction': None},
         TypeError,
-        'grad_worker_fraction must be a float in (0, 1], a DistributedStrategy or its name; got None',
+        'grad_worker_fraction must be a float in [0, 1], a DistributedStrategy or its name; got None',
     ),
     ({'colocate_factors': 1}, TypeError, 'colocate_factors must be a bool'),
     (

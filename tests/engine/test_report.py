@@ -43,7 +43,7 @@ def test_report_lists_every_module_with_parameters(
     modules K-FAC leaves alone were not named.
     """
     model = _Mixed()
-    with caplog.at_level(logging.INFO, logger='kfac'):
+    with caplog.at_level(logging.DEBUG, logger='kfac'):
         precon = KFACPreconditioner(
             model, skip_layers='skip', loglevel=logging.DEBUG
         )
@@ -85,11 +85,17 @@ def test_report_lists_every_module_with_parameters(
         for p in ('weight', 'bias')
     } | {'attn.in_proj_weight', 'attn.in_proj_bias'}
     assert named | covered == set(dict(model.named_parameters()))
-    info = [r for r in caplog.records if r.levelno == logging.INFO]
-    assert len(info) == 1  # one message, whatever loglevel says
-    assert 'K-FAC preconditions 10 modules' in info[0].getMessage()
+    # One message, at loglevel, and nothing louder.
+    logged = [
+        r
+        for r in caplog.records
+        if r.getMessage().startswith('K-FAC preconditions')
+    ]
+    assert [r.levelno for r in logged] == [logging.DEBUG]
+    assert not [r for r in caplog.records if r.levelno >= logging.INFO]
+    assert 'K-FAC preconditions 10 modules' in logged[0].getMessage()
     assert 'embed (Embedding; weight): embedding with max_norm' in (
-        info[0].getMessage()
+        logged[0].getMessage()
     )
     report['preconditioned'].clear()  # a copy
     assert precon.describe()['preconditioned']

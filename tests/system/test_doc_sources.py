@@ -3,7 +3,9 @@
 * Every version of kfac-pytorch that ``README.md`` or a page under
   ``docs/`` names ("the default since 0.5.0") is a release of
   ``CHANGELOG.md`` (a heading ``## [X.Y.Z]``) or the upcoming one, which
-  the unreleased heading names: ``## [Unreleased] (X.Y.Z)``. Versions of
+  the unreleased heading names: ``## [Unreleased] (X.Y.Z)``; and
+  ``kfac.__version__`` is that upcoming version, or the newest release
+  when the unreleased heading names none. Versions of
   torch (``torch 2.13.0``, ``torch==2.13.0+cpu``) are told apart as the
   versions written after ``torch`` somewhere in those pages.
 * The section "When K-FAC is not worth it" of ``README.md`` and
@@ -21,6 +23,8 @@ import re
 
 import pytest
 
+import kfac
+
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 PAGES = [ROOT / 'README.md', *sorted((ROOT / 'docs').rglob('*.md'))]
 CHANGELOG = (ROOT / 'CHANGELOG.md').read_text()
@@ -32,13 +36,17 @@ def _released() -> set[str]:
     return set(re.findall(r'^## \[(\d+\.\d+\.\d+)\]', CHANGELOG, re.M))
 
 
-def _upcoming() -> str:
-    found: list[str] = re.findall(
-        r'^## \[Unreleased\] \((\d+\.\d+\.\d+)\)$', CHANGELOG, re.M
-    )
+def _upcoming() -> str | None:
+    """The version the unreleased heading names, if it names one."""
+    found: list[str | None] = [
+        version or None
+        for version in re.findall(
+            r'^## \[Unreleased\](?: \((\d+\.\d+\.\d+)\))?$', CHANGELOG, re.M
+        )
+    ]
     assert len(found) == 1, (
-        'CHANGELOG.md names the upcoming release in its unreleased '
-        'heading: "## [Unreleased] (X.Y.Z)"'
+        'CHANGELOG.md has one unreleased heading: "## [Unreleased]", or '
+        '"## [Unreleased] (X.Y.Z)" while X.Y.Z is being prepared'
     )
     return found[0]
 
@@ -50,7 +58,19 @@ def _key(version: str) -> tuple[int, ...]:
 def test_upcoming_version_follows_the_releases() -> None:
     released = _released()
     assert released, 'the scan must find the released versions'
-    assert _key(_upcoming()) > max(map(_key, released))
+    upcoming = _upcoming()
+    if upcoming is not None:
+        assert _key(upcoming) > max(map(_key, released))
+
+
+def test_package_version_is_the_newest_release_or_the_upcoming() -> None:
+    upcoming = _upcoming()
+    newest = max(_released(), key=_key)
+    expected = newest if upcoming is None else upcoming
+    assert kfac.__version__ == expected, (
+        f'kfac.__version__ is {kfac.__version__}; CHANGELOG.md names '
+        f'{expected} ({"upcoming" if upcoming else "its newest release"})'
+    )
 
 
 def _named_versions() -> list[tuple[str, str]]:
@@ -68,11 +88,12 @@ def _named_versions() -> list[tuple[str, str]]:
 def test_named_versions_are_released_or_upcoming() -> None:
     named = _named_versions()
     assert named, 'the scan must find the versions the docs name'
-    known = _released() | {_upcoming()}
+    upcoming = _upcoming()
+    known = _released() | ({upcoming} if upcoming else set())
     unknown = sorted({(p, v) for p, v in named if v not in known})
     assert not unknown, (
         f'versions neither released in CHANGELOG.md nor upcoming '
-        f'({_upcoming()}): {unknown}'
+        f'({upcoming}): {unknown}'
     )
 
 

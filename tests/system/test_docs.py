@@ -36,6 +36,7 @@ import kfac
 from kfac.preconditioner import KFACPreconditioner
 from testing.snippets import strictly
 from testing.torch_release import COMPILED
+from testing.torch_release import MUON
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 DOCS = ROOT / 'docs'
@@ -96,7 +97,10 @@ def _expect(expected: str, *args: Any) -> None:
     )
 
 
-NEEDS: dict[str, pytest.MarkDecorator] = {'guide/compile.md': COMPILED}
+NEEDS: dict[str, pytest.MarkDecorator] = {
+    'guide/compile.md': COMPILED,
+    'guide/muon.md': MUON,
+}
 """What a page's code needs of torch, where it needs more than the floor."""
 
 

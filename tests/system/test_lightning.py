@@ -22,6 +22,7 @@ from testing.models import classification_data
 
 pytest.importorskip('lightning')
 import lightning as L  # after the skip: a test-only dependency
+from lightning.pytorch.plugins import MixedPrecision
 
 
 class Module(L.LightningModule):
@@ -181,3 +182,87 @@ def test_metrics_reach_lightnings_logger(tmp_path: Path) -> None:
         precon.metrics()['layers']['fc1']['trace_A'], rel=1e-6
     )
     assert 0.0 < logged['kfac/kl_clip_scale'].item() <= 1.0
+
+
+# Mixed precision: the recipe of the trainers guide -------------------------
+
+
+class Mixed(Module):
+    """The guide's recipe: the precision plugin's scaler given to the
+    preconditioner, and clipping after unscaling through it."""
+
+    def configure_optimizers(self) -> Any:
+        # None in full precision (its plugin has no scaler) and bf16.
+        scaler = getattr(self.trainer.precision_plugin, 'scaler', None)
+        base = torch.optim.SGD(self.net.parameters(), lr=0.1, momentum=0.9)
+        precon = KFACPreconditioner(
+            self.net,
+            damping=0.01,
+            relative_clip=1.0,
+            grad_scaler=scaler,
+            update_factors_in_hook=False,
+        )
+        return KFACOptimizer(base, precon)
+
+    def configure_gradient_clipping(
+        self,
+        optimizer: Any,
+        gradient_clip_val: float | None = None,
+        gradient_clip_algorithm: str | None = None,
+    ) -> None:
+        if not gradient_clip_val:
+            return
+        scaler = getattr(self.trainer.precision_plugin, 'scaler', None)
+        if scaler is not None:
+            scaler.unscale_(optimizer)
+        nn.utils.clip_grad_norm_(self.parameters(), gradient_clip_val)
+
+
+def scaled_manual(steps: int, clip: float) -> tuple[TinyMLP, float]:
+    """The recipe's training as a loop: autocast to float16, a scaler."""
+    torch.manual_seed(0)
+    net = TinyMLP()
+    scaler = torch.amp.GradScaler('cpu')
+    base = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
+    precon = KFACPreconditioner(
+        net,
+        damping=0.01,
+        relative_clip=1.0,
+        grad_scaler=scaler,
+        update_factors_in_hook=False,
+    )
+    optimizer = KFACOptimizer(base, precon)
+    batches = list(loader())
+    for step in range(steps):
+        x, y = batches[step % len(batches)]
+        optimizer.zero_grad()
+        with torch.autocast('cpu', dtype=torch.float16, cache_enabled=False):
+            loss = F.cross_entropy(net(x), y)
+        scaler.scale(loss).backward()
+        scaler.unscale_(optimizer)
+        nn.utils.clip_grad_norm_(net.parameters(), clip)
+        scaler.step(optimizer)
+        scaler.update()
+    return net, scaler.get_scale()
+
+
+def test_mixed_precision_recipe_equals_the_scaled_loop(tmp_path: Path) -> None:
+    module = Mixed()
+    fit = trainer(
+        tmp_path,
+        max_steps=4,
+        gradient_clip_val=0.5,
+        plugins=[MixedPrecision('16-mixed', 'cpu')],
+    )
+    fit.fit(module, loader())
+    precon = preconditioner(module)
+    plugin = fit.precision_plugin
+    assert isinstance(plugin, MixedPrecision) and plugin.scaler is not None
+    assert precon.grad_scaler is plugin.scaler
+    want, scale = scaled_manual(4, 0.5)
+    assert precon.steps == 4
+    assert plugin.scaler.get_scale() == scale
+    for got, ref in zip(
+        module.net.parameters(), want.parameters(), strict=True
+    ):
+        torch.testing.assert_close(got, ref, rtol=1e-6, atol=1e-7)
