@@ -6,13 +6,15 @@ complete (in the backward hook, to overlap the allreduce with the backward
 pass), starts the allreduce, and at the step waits for it and checks that
 every rank's statistics were finite.
 
-Failures in a row. The health count of that allreduce also carries, from
-each factor's inverse worker, how many of its decompositions in a row
-failed in every attempt and the trace of the last such matrix (zeros
-elsewhere), so every rank learns them at the next factor update without a
-collective or host read of its own; every rank then applies the same
-limits (`max_nonfinite_statistics`, `max_decomposition_failures`) and
-raises the same [`FailureLimitError`][kfac.tracing.FailureLimitError].
+Failures in a row. With a limit set, the health count of that allreduce
+becomes a float64 vector that also names the layers whose statistics were
+not finite and carries, from each factor's inverse worker, how many of its
+decompositions in a row failed in every attempt and the trace of the last
+such matrix (zeros elsewhere), so every rank learns them at the next
+factor update without a collective or host read of its own; every rank
+then applies the same limits (`max_nonfinite_statistics`,
+`max_decomposition_failures`) and raises the same
+[`FailureLimitError`][kfac.tracing.FailureLimitError].
 """
 
 from __future__ import annotations
@@ -127,16 +129,29 @@ class FactorUpdates:
                 )
                 layer.reset_batch()
         with self.phase('factor_allreduce'):
-            health = self._reduction.finish(self._failures())
+            health = self._reduction.finish(
+                self._failures() if self._limited else None
+            )
         self._finished.clear()
         if health.reduced:
             self._check_statistics(health, step)
+        if health.reduced and self._limited:
             self._check_decompositions(health.shared)
+
+    @property
+    def _limited(self) -> bool:
+        """Whether a limit is set (the failures then travel with the
+        health count; without one, it stays the one float of before).
+        """
+        return (
+            self.max_nonfinite_statistics is not None
+            or self.max_decomposition_failures is not None
+        )
 
     def _check_statistics(self, health: Health, step: int) -> None:
         """Count a discarded update; raise past the limit."""
         counters = self.faults.counters
-        if health.nonfinite:
+        if health.bad_count:
             counters['nonfinite_statistics_steps'] += 1
             self.faults.logger.warning(
                 'K-FAC: step %d produced non-finite factor statistics (%d '
@@ -147,7 +162,7 @@ class FactorUpdates:
                 counters['nonfinite_statistics_steps'],
             )
         run = self.faults.streak(
-            'nonfinite_statistics_in_a_row', bool(health.nonfinite)
+            'nonfinite_statistics_in_a_row', bool(health.bad_count)
         )
         limit = self.max_nonfinite_statistics
         if limit is not None and run > limit:

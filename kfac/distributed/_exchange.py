@@ -139,28 +139,33 @@ def start_factor_allreduce(
 def start_health_reduction(
     comm: TorchDistributedCommunicator,
     finite: list[torch.Tensor],
-    shared: Sequence[float] = (),
+    shared: Sequence[float] | None = None,
 ) -> Handle | None:
-    """Start summing, over all ranks, which layers had non-finite
-    statistics, and `shared`.
+    """Start summing, over all ranks, the non-finite statistics, and
+    `shared`.
 
     Every rank calls this once per factor update with one 0-d bool tensor
-    per updated layer (None when no layer was updated anywhere) and a
-    `shared` of the same length on every rank (all zeros: nothing is
-    copied to the device).
+    per updated layer (None when no layer was updated anywhere) and the
+    same kind of `shared`: None, or values of the same length on every
+    rank (all zeros: nothing is copied to the device).
 
     Returns:
-        A handle to a float64 vector: per layer of `finite`, the number
-        of ranks whose statistics of it were not finite; then `shared`
-        summed.
+        A handle to the float32 count of non-finite statistics (without
+        `shared`), or to a float64 vector: per layer of `finite`, the
+        number of ranks whose statistics of it were not finite, then
+        `shared` summed.
     """
     if not finite:
         return None
-    flags = torch.stack([~flag for flag in finite]).to(torch.float64)
+    flags = torch.stack([~flag for flag in finite])
+    if shared is None:
+        count = flags.sum(dtype=torch.float32).reshape(1)
+        return comm.allreduce(count, average=False)
+    flags = flags.to(torch.float64)
     if any(shared):
         values = torch.tensor(shared, dtype=torch.float64)
         flags = torch.cat([flags, values.to(flags.device)])
-    elif shared:
+    else:
         flags = torch.cat([flags, flags.new_zeros(len(shared))])
     return comm.allreduce(flags, average=False)
 
@@ -172,17 +177,14 @@ class Health(NamedTuple):
 
     reduced: bool
     """Whether some layer was reduced (else nothing was learnt)."""
-    nonfinite: dict[str, int]
-    """Per layer whose statistics were not finite on some rank, on how
-    many ranks."""
-    shared: tuple[float, ...]
-    """The `shared` values of every rank, summed (empty without a
-    reduction)."""
-
-    @property
-    def bad_count(self) -> int:
-        """Non-finite batch statistics over all layers and ranks."""
-        return sum(self.nonfinite.values())
+    bad_count: int
+    """Non-finite batch statistics, summed over the layers and ranks (0:
+    the updates were committed)."""
+    nonfinite: tuple[str, ...] = ()
+    """The layers whose statistics were not finite on some rank (known
+    only with `shared`)."""
+    shared: tuple[float, ...] = ()
+    """The `shared` values of every rank, summed."""
 
 
 class FactorReduction:
@@ -224,7 +226,7 @@ class FactorReduction:
         self._started.append((name, layer, handles))
         self._finite.append(finite)
 
-    def finish(self, shared: Sequence[float] = ()) -> Health:
+    def finish(self, shared: Sequence[float] | None = None) -> Health:
         """Wait for every started allreduce and store the averages.
 
         The updates are then committed on every layer reduced, or, if any
@@ -232,13 +234,14 @@ class FactorReduction:
         decides the same). One host read.
 
         Args:
-            shared: values summed over the ranks with the health count
-                (the same length on every rank); they travel only when
-                some layer was started.
+            shared: None (only the count travels, a float32), or values
+                summed over the ranks with the health count, of the same
+                length on every rank; they travel only when some layer was
+                started, and so do the names of the layers whose
+                statistics were not finite.
 
         Returns:
-            The layers whose statistics were not finite on some rank
-            (none: the updates were committed), and `shared` summed.
+            What the health count found.
         """
         bad = start_health_reduction(self.comm, self._finite, shared)
         self.comm.flush()
@@ -251,24 +254,27 @@ class FactorReduction:
                     layers=(name,),
                 )
                 layer.set_factor(factor.name, value)
-        read = []
+        health = Health(False, 0)
         if bad is not None:
-            health = wait(bad, 'health allreduce', phase='factor_allreduce')
-            read = health.tolist()
-        count = len(self._finite)
-        nonfinite = {
-            name: int(flag)
-            for (name, _, _), flag in zip(self._started, read[:count])
-            if flag
-        }
+            read = wait(bad, 'health allreduce', phase='factor_allreduce')
+            health = self._health(read.tolist(), shared is not None)
         for _, layer, _ in self._started:
-            if nonfinite:
+            if health.bad_count:
                 layer.rollback_factors()
             else:
                 layer.commit_factors()
         self._started.clear()
         self._finite.clear()
-        return Health(bad is not None, nonfinite, tuple(read[count:]))
+        return health
+
+    def _health(self, read: list[float], detailed: bool) -> Health:
+        """The health count read on the host."""
+        if not detailed:
+            return Health(True, int(read[0]))
+        count = len(self._finite)
+        flags = read[:count]
+        bad = tuple(n for (n, _, _), f in zip(self._started, flags) if f)
+        return Health(True, int(sum(flags)), bad, tuple(read[count:]))
 
 
 # Decompositions ----------------------------------------------------------
