@@ -45,6 +45,19 @@ def test_allreduce_before_the_first_update_raises() -> None:
         )
 
 
+@pytest.mark.parametrize('bucketed', [True, False])
+def test_factor_allreduce_returns_the_factors_at_world_size_one(
+    bucketed: bool,
+) -> None:
+    layer = _layer()
+    layer.update_factors(0.9)
+    comm = TorchDistributedCommunicator()
+    handles = start_factor_allreduce(comm, layer, name='fc', bucketed=bucketed)
+    for handle, factor in zip(handles, layer.factors, strict=True):
+        assert handle.wait() is factor.value  # one rank: the input itself
+    assert all(h.labels == () for h in handles)  # nothing travelled
+
+
 @pytest.mark.parametrize('detailed', [True, False])
 @pytest.mark.parametrize('finite', [True, False])
 def test_factor_reduction_stores_factors_and_counts_faults(

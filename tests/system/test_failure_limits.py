@@ -323,13 +323,18 @@ def _stalled_rank(store: str) -> None:
     torch.manual_seed(0)
     model = TinyMLP().double()
     precon = KFACPreconditioner(model, **EVERY_STEP)
-    if rank == 1:
-        time.sleep(STALL_S + 1.0)  # stops calling collectives, then leaves
+    raised = pathlib.Path(store + '.raised')
+    if rank == 1:  # stops calling collectives until rank 0 has raised
+        deadline = time.monotonic() + 60.0
+        while not raised.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert raised.exists(), 'rank 0 never raised'
         return
     x, y = classification_data(4, (6,), dtype=F64)
     F.cross_entropy(model(x), y).backward()
     with pytest.raises(KFACDistributedError) as info:
         precon.step()
+    raised.touch()
     error = info.value
     assert error.phase == 'factor_allreduce'
     assert set(error.layers) == set(precon.layers)  # one bucket holds all
