@@ -36,6 +36,7 @@ from kfac.hyperparams import Hyperparameters
 from kfac.hyperparams import HyperparameterValues
 from kfac.hyperparams import OptimizerLR
 from kfac.layers.base import KFACBaseLayer
+from kfac.state import SavedFaults
 from kfac.state import StateDict
 from kfac.state import load_layers
 from kfac.state import save_layers
@@ -139,7 +140,12 @@ class BaseKFACPreconditioner:
             bucketed=self.options.bucketed,
             phase=self._phase,
             faults=self._faults,
+            assignment=assignment,
             compiled=self.options.compile_arithmetic,
+            max_nonfinite_statistics=self.options.max_nonfinite_statistics,
+            max_decomposition_failures=(
+                self.options.max_decomposition_failures
+            ),
         )
         self._clips = ClipMonitor(self._faults)
         self._curvatures = CurvatureUpdates(
@@ -246,11 +252,18 @@ class BaseKFACPreconditioner:
     def metrics(self) -> dict[str, Any]:
         """Fault counters, totals and per layer: `nonfinite_statistics_steps`
         (factor updates discarded because a
-        statistic was NaN/Inf on some rank); per layer (and summed):
+        statistic was NaN/Inf on some rank) and
+        `nonfinite_statistics_in_a_row` (those since the last update kept;
+        absent when none); per layer (and summed):
         `decomposition_retries` (float64 or jitter attempts that
         succeeded), `decomposition_failures` (all attempts failed),
         `unpreconditioned_steps` (raw gradient used for lack of a
-        decomposition) and `nonfinite_gradients` (original gradient kept).
+        decomposition) and `nonfinite_gradients` (original gradient kept);
+        per layer only, `decomposition_failures_in_a_row` (`{factor:
+        count}` of the factors whose last decompositions failed in every
+        attempt; on a factor's inverse worker as of its last
+        decomposition, on the other ranks as of the factor update after
+        it; absent when none).
         Of the last preconditioned step (None before one): `kl_clip_scale`
         (the clip's `ν`; 1.0 when it did not clip) and `grad_norm_ratio`
         (`‖ν V'‖ / ‖V‖` over all preconditioned layers), read with the
@@ -259,6 +272,11 @@ class BaseKFACPreconditioner:
         ([`PhaseTimer.share`][kfac.tracing.PhaseTimer.share]).
         """
         metrics = fault_counts(self.counters, self._layers)
+        for name, layer in self._layers.items():
+            if layer.failures_in_a_row:
+                metrics['layers'][name]['decomposition_failures_in_a_row'] = (
+                    dict(layer.failures_in_a_row)
+                )
         metrics.update(self._clips.metrics())
         return plot_metrics(metrics, self._layers, self.damping, self.timer)
 
@@ -281,6 +299,17 @@ class BaseKFACPreconditioner:
             self._layers,
             options=self.options.saved(),
             include_decompositions=include_decompositions,
+            faults=SavedFaults(
+                dict(self.counters),
+                {
+                    name: {
+                        f: (count, layer.failed_traces.get(f, 0.0))
+                        for f, count in layer.failures_in_a_row.items()
+                    }
+                    for name, layer in self._layers.items()
+                    if layer.failures_in_a_row
+                },
+            ),
         )
 
     def load_state_dict(
@@ -312,8 +341,23 @@ class BaseKFACPreconditioner:
         self._steps = saved.steps
         self._capture.refresh()
         self.options = self.options.restored(saved.options)
+        self._restore_faults(saved.faults)
         self._decomposed = set(restored)
         self._update_decompositions(self.damping, recompute)
+
+    def _restore_faults(self, faults: SavedFaults) -> None:
+        """Replace the fault counts of the preconditioner and its layers
+        with saved ones.
+        """
+        self.counters.clear()
+        self.counters.update(faults.counters)
+        for name, layer in self._layers.items():
+            saved = faults.failures.get(name, {})
+            layer.failures_in_a_row.clear()
+            layer.failures_in_a_row.update(
+                {f: count for f, (count, _) in saved.items()}
+            )
+            layer.failed_traces = {f: trace for f, (_, trace) in saved.items()}
 
     def step(self) -> None:
         """Precondition the gradients of the registered layers.

@@ -24,7 +24,11 @@ its key; non-tensor values are pickled):
   written by the ranks that hold that layer's decomposition. Every rank
   that holds one holds the same tensors (they were computed on one rank
   and broadcast), so DCP keeping any one copy loses nothing, and no rank's
-  copy stands in for a different one.
+  copy stands in for a different one;
+* `faults.counters.<name>` and `faults.failures.<layer>.<A|G>` (`[count,
+  trace]`): the fault counts (see [`kfac.state`][kfac.state]), the same
+  on every rank but for a factor's decompositions failed since the last
+  factor update, which its inverse worker learns first.
 
 [`load_dcp`][kfac.checkpoint.load_dcp] reads the checkpoint's metadata,
 loads the factors and the decompositions this rank needs (those of the
@@ -58,6 +62,8 @@ _FACTORS = 'factors.'
 _HYPERPARAMETERS = 'hyperparameters.'
 _OPTIONS = 'options.'
 _FISHER = 'fisher.'
+_COUNTERS = 'faults.counters.'
+_FAILURES = 'faults.failures.'
 
 
 def flatten_state(state: Mapping[str, Any]) -> dict[str, Any]:
@@ -77,6 +83,12 @@ def flatten_state(state: Mapping[str, Any]) -> dict[str, Any]:
     for name, factors in state['layers'].items():
         for key, tensor in factors.items():
             flat[f'{_FACTORS}{name}.{key}'] = tensor
+    faults = state.get('faults', {})
+    for key, value in faults.get('counters', {}).items():
+        flat[_COUNTERS + key] = value
+    for name, failures in faults.get('failures', {}).items():
+        for key, value in failures.items():
+            flat[f'{_FAILURES}{name}.{key}'] = list(value)
     for name, entry in state.get('decompositions', {}).items():
         flat[f'{_DECOMPOSITIONS}{name}.format'] = entry['format']
         for key in FACTOR_KEYS:
@@ -91,7 +103,12 @@ def unflatten_state(flat: Mapping[str, Any]) -> dict[str, Any]:
     Raises:
         ValueError: a key that `flatten_state` does not write.
     """
-    state: dict[str, Any] = {'hyperparameters': {}, 'layers': {}}
+    faults: dict[str, dict[str, Any]] = {'counters': {}, 'failures': {}}
+    state: dict[str, Any] = {
+        'hyperparameters': {},
+        'layers': {},
+        'faults': faults,
+    }
     decompositions: dict[str, dict[str, Any]] = {}
     for key, value in flat.items():
         if key in ('version', 'steps'):
@@ -102,6 +119,11 @@ def unflatten_state(flat: Mapping[str, Any]) -> dict[str, Any]:
             state.setdefault('options', {})[key[len(_OPTIONS) :]] = value
         elif key.startswith(_FISHER):
             state.setdefault('fisher', {})[key[len(_FISHER) :]] = value
+        elif key.startswith(_COUNTERS):
+            faults['counters'][key[len(_COUNTERS) :]] = value
+        elif key.startswith(_FAILURES) and key[-2:] in ('.A', '.G'):
+            name = key[len(_FAILURES) : -2]
+            faults['failures'].setdefault(name, {})[key[-1]] = value
         elif key.startswith(_FACTORS) and key[-2:] in ('.A', '.G', '.S'):
             name = key[len(_FACTORS) : -2]
             state['layers'].setdefault(name, {})[key[-1]] = value

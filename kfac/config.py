@@ -81,6 +81,22 @@ spelling of `1 / world_size`, is `MEM_OPT`), a
 [`DistributedStrategy`][kfac.enums.DistributedStrategy], or its name."""
 
 
+def check_limit(name: str, value: object) -> int | None:
+    """A limit on failures in a row: None (no limit) or an `int >= 0`.
+
+    Raises:
+        TypeError: `value` is neither None nor an int (a bool is not).
+        ValueError: `value` is negative.
+
+    Examples:
+        >>> check_limit('max_decomposition_failures', 3)
+        3
+    """
+    if value is None:
+        return None
+    return validate_int(name, value, minimum=0)
+
+
 def _set(config: object, name: str, value: object) -> None:
     """Store a normalised field of a frozen dataclass."""
     object.__setattr__(config, name, value)
@@ -120,6 +136,18 @@ class StatisticsConfig:
             update compiles it, a few seconds). Off by default: on CPUs it
             is slower below factors of about 1000 rows (see the compile
             guide).
+        max_nonfinite_statistics: how many factor updates in a row may
+            be discarded for non-finite statistics (NaN/Inf on some rank)
+            before `step()` raises
+            [`FailureLimitError`][kfac.tracing.FailureLimitError] on every
+            rank; None (the default): no limit, each is discarded and
+            counted.
+        max_decomposition_failures: how many decompositions in a row of
+            one factor may fail in every attempt (float64, jitter) before
+            the next factor update raises
+            [`FailureLimitError`][kfac.tracing.FailureLimitError] on every
+            rank; None (the default): no limit, the last good
+            decomposition is kept.
 
     `batch_first`, `kfac_approx`, `max_factor_dim` and `position_sample`
     are the model-wide values of per-module options (`module_options`).
@@ -139,9 +167,16 @@ class StatisticsConfig:
     position_sample: int | float | None = None
     position_sample_seed: int = 0
     compile_arithmetic: bool = False
+    max_nonfinite_statistics: int | None = None
+    max_decomposition_failures: int | None = None
 
     def __post_init__(self) -> None:
         _set(self, 'loss_average', check_loss_average(self.loss_average))
+        for limit in (
+            'max_nonfinite_statistics',
+            'max_decomposition_failures',
+        ):
+            _set(self, limit, check_limit(limit, getattr(self, limit)))
         approx = parse_enum(KFACApprox, self.kfac_approx, 'kfac_approx')
         _set(self, 'kfac_approx', approx)
         if self.max_factor_dim is not None:
@@ -398,6 +433,10 @@ class KFACConfig:
             shard_mode=self.sharding.shard_mode,
             compile_arithmetic=self.statistics.compile_arithmetic,
             position_sample_seed=self.statistics.position_sample_seed,
+            max_nonfinite_statistics=self.statistics.max_nonfinite_statistics,
+            max_decomposition_failures=(
+                self.statistics.max_decomposition_failures
+            ),
         )
 
     def curvature(self) -> CurvatureConfig:
@@ -476,6 +515,9 @@ class EngineOptions:
         position_sample_seed: the seed of the positions drawn for
             `position_sample` (see
             [`kfac.layers.sampling`][kfac.layers.sampling]).
+        max_nonfinite_statistics, max_decomposition_failures: the limits
+            on failures in a row (see
+            [`StatisticsConfig`][kfac.config.StatisticsConfig]).
 
     Raises:
         TypeError: a field has the wrong type.
@@ -488,6 +530,8 @@ class EngineOptions:
     shard_mode: ShardMode | str = ShardMode.LOSSLESS
     compile_arithmetic: bool = False
     position_sample_seed: int = 0
+    max_nonfinite_statistics: int | None = None
+    max_decomposition_failures: int | None = None
 
     def __post_init__(self) -> None:
         validate_int('accumulation_steps', self.accumulation_steps)
@@ -500,6 +544,11 @@ class EngineOptions:
         )
         check_bool('compile_arithmetic', self.compile_arithmetic)
         check_seed(self.position_sample_seed)
+        for limit in (
+            'max_nonfinite_statistics',
+            'max_decomposition_failures',
+        ):
+            check_limit(limit, getattr(self, limit))
 
     def saved(self) -> dict[str, str | int]:
         """The options a `state_dict()` keeps: `position_sample_seed`."""

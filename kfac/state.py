@@ -9,7 +9,7 @@ dicts, so `torch.load(path, weights_only=True)` reads it:
 
 ```python
 {
-    'version': 5,
+    'version': 6,
     'steps': int,
     'hyperparameters': {name: value},   # the non-callable ones
     'options': {'position_sample_seed': int},
@@ -20,8 +20,20 @@ dicts, so `torch.load(path, weights_only=True)` reads it:
         module name: {'format': str, 'A': [tensor, ...], 'G': [...]},
     },
     'fisher': {'fisher_type': str, 'mc_samples': int, 'mc_seed': int},
+    'faults': {
+        'counters': {name: int},        # nonfinite_statistics_steps, ...
+        'failures': {module name: {'A': [int, float], 'G': [...]}},
+    },
 }
 ```
+
+`'faults'` keeps the preconditioner-wide fault counters (identical on
+every rank: `nonfinite_statistics_steps`,
+`nonfinite_statistics_in_a_row`) and, per layer and factor, its
+decompositions that failed in a row and the trace of the last such matrix
+(`[count, trace]`, only for factors with failures), as this rank knows
+them: the limits of [`StatisticsConfig`][kfac.config.StatisticsConfig]
+count on from there after a resume.
 
 `'fisher'` (written by
 [`KFACPreconditioner`][kfac.preconditioner.KFACPreconditioner]) holds the
@@ -54,10 +66,10 @@ import torch
 
 from kfac.math.fisher import FisherState
 
-STATE_VERSION = 5
+STATE_VERSION = 6
 """The format version written by this version of kfac."""
 
-READABLE_VERSIONS = (1, 2, 3, 4, 5)
+READABLE_VERSIONS = (1, 2, 3, 4, 5, 6)
 """The format versions this version of kfac loads. Version 2 adds the
 per-use factors of a weight tied in transposed roles (`'<module>:A'`,
 `'<module>:G'`, see [`kfac.layers.tied`][kfac.layers.tied]); version 3
@@ -73,7 +85,8 @@ Fisher's seed) and `'position_sample_seed'` to `'options'` (see
 keeps the loading preconditioner's seed. Version 5 saves the two clips as
 hyperparameters (`kl_clip`, `relative_clip`) instead of one `kl_clip` read
 by `'options'`' `kl_clip_rule`; an older state is read as version 5 (its
-`kl_clip` under `'relative'` is `relative_clip`)."""
+`kl_clip` under `'relative'` is `relative_clip`). Version 6 adds
+`'faults'`; an older state loads with no faults counted."""
 
 FACTOR_KEYS = ('A', 'G')
 """The factor entries of a layer."""
@@ -106,6 +119,28 @@ class StateDict(_RequiredEntries, total=False):
     decompositions: dict[str, DecompositionEntry]
 
     fisher: FisherState
+
+    faults: FaultEntry
+
+
+class FaultEntry(TypedDict):
+    """The saved fault counts (version 6)."""
+
+    counters: dict[str, int]
+    failures: dict[str, dict[str, list[float]]]
+
+
+@dataclasses.dataclass(frozen=True)
+class SavedFaults:
+    """The fault counts that outlive a resume."""
+
+    counters: Mapping[str, int] = dataclasses.field(default_factory=dict)
+    """The preconditioner-wide fault counters."""
+    failures: Mapping[str, Mapping[str, tuple[int, float]]] = (
+        dataclasses.field(default_factory=dict)
+    )
+    """Per layer, per factor with failures: its decompositions failed
+    in a row, and the trace of the last such matrix."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -146,6 +181,8 @@ class SavedState:
     """The engine's saved options (`position_sample_seed` from version 4;
     version 3 and 4 had `kl_clip_rule` too, read into the
     hyperparameters); empty before version 3."""
+    faults: SavedFaults = dataclasses.field(default_factory=SavedFaults)
+    """The fault counts (none before version 6)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -192,6 +229,13 @@ def serialize_state(
         'hyperparameters': dict(state.hyperparameters),
         'options': dict(state.options),
         'layers': layers,
+        'faults': {
+            'counters': dict(state.faults.counters),
+            'failures': {
+                name: {f: [count, trace] for f, (count, trace) in x.items()}
+                for name, x in state.faults.failures.items()
+            },
+        },
     }
     if include_decompositions:
         result['decompositions'] = decompositions
@@ -346,6 +390,57 @@ def parse_state(
         ),
         layers=layers,
         options=options,
+        faults=_faults(checked.get('faults', {}), specs),
+    )
+
+
+def _faults(entry: object, specs: Mapping[str, LayerSpec]) -> SavedFaults:
+    """The saved fault counts, checked; those of layers not in `specs`
+    are dropped.
+    """
+    if not isinstance(entry, Mapping):
+        raise TypeError(
+            f"state_dict entry 'faults' must be a mapping; got {entry!r}"
+        )
+    counters = entry.get('counters', {})
+    failures = entry.get('failures', {})
+    if not isinstance(counters, Mapping) or not all(
+        isinstance(k, str) and _count(v) for k, v in counters.items()
+    ):
+        raise TypeError(
+            "state_dict entry 'faults.counters' must map names to ints "
+            f'>= 0; got {counters!r}'
+        )
+    if not isinstance(failures, Mapping) or not all(
+        isinstance(x, Mapping)
+        and all(
+            f in FACTOR_KEYS
+            and isinstance(v, (list, tuple))
+            and len(v) == 2
+            and _count(v[0])
+            and isinstance(v[1], (int, float))
+            for f, v in x.items()
+        )
+        for x in failures.values()
+    ):
+        raise TypeError(
+            "state_dict entry 'faults.failures' must map layers to "
+            "{'A' or 'G': [count, trace]}; got " + repr(failures)
+        )
+    return SavedFaults(
+        dict(counters),
+        {
+            name: {f: (int(v[0]), float(v[1])) for f, v in x.items()}
+            for name, x in failures.items()
+            if name in specs
+        },
+    )
+
+
+def _count(value: object) -> bool:
+    """Whether `value` is an int >= 0 (not a bool)."""
+    return (
+        isinstance(value, int) and not isinstance(value, bool) and value >= 0
     )
 
 
@@ -437,16 +532,24 @@ def save_layers(
     *,
     options: Mapping[str, str | int],
     include_decompositions: bool,
+    faults: SavedFaults | None = None,
 ) -> StateDict:
     """The state of a preconditioner at `steps` with these constant
-    hyperparameters, engine options and layers, each saving its own.
+    hyperparameters, engine options, fault counts and layers, each saving
+    its own.
     """
     saved = {
         name: layer.saved_state(include_decompositions)
         for name, layer in layers.items()
     }
     return serialize_state(
-        SavedState(steps, dict(hyperparameters), saved, dict(options)),
+        SavedState(
+            steps,
+            dict(hyperparameters),
+            saved,
+            dict(options),
+            faults or SavedFaults(),
+        ),
         include_decompositions=include_decompositions,
     )
 

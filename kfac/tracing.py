@@ -196,6 +196,30 @@ def plot_metrics(
 # Faults and the clip -------------------------------------------------------
 
 
+class FailureLimitError(RuntimeError):
+    """More failures in a row than a limit tolerates: decompositions of
+    one factor that failed in every attempt (`max_decomposition_failures`),
+    or factor updates discarded for non-finite statistics
+    (`max_nonfinite_statistics`; see
+    [`StatisticsConfig`][kfac.config.StatisticsConfig]). Raised by
+    `step()` on every rank alike.
+
+    Args:
+        message: what failed, how often, and the limit.
+        layers: the layers concerned.
+        count: the failures in a row.
+    """
+
+    def __init__(
+        self, message: str, layers: tuple[str, ...], count: int
+    ) -> None:
+        super().__init__(message)
+        self.layers = layers
+        """The layers concerned."""
+        self.count = count
+        """The failures in a row."""
+
+
 class Faults:
     """Fault counters of the whole preconditioner, and warnings logged
     once per `(kind, layer)`.
@@ -208,6 +232,17 @@ class Faults:
         self.logger = logger
         self.counters: Counter[str] = Counter()
         self._logged: set[tuple[str, str]] = set()
+
+    def streak(self, key: str, failed: bool) -> int:
+        """Count one more event `key` in a row if `failed`, else end the
+        run (the counter drops out of `counters`); return the run's
+        length.
+        """
+        if failed:
+            self.counters[key] += 1
+        else:
+            del self.counters[key]
+        return self.counters[key]
 
     def once(self, key: str, name: str, msg: str, *args: object) -> None:
         """Log `msg % args` unless `(key, name)` was logged before."""

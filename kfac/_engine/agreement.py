@@ -61,6 +61,8 @@ GLOBAL_OPTIONS = (
     'update_factors_in_hook',
     'statistics.loss_average',
     'statistics.position_sample_seed',
+    'statistics.max_nonfinite_statistics',
+    'statistics.max_decomposition_failures',
     'fisher.fisher_type',
     'fisher.mc_samples',
     'fisher.mc_seed',

@@ -217,6 +217,14 @@ class Handle(abc.ABC):
     def done(self) -> bool:
         """Return whether `wait()` would return without blocking."""
 
+    @property
+    def labels(self) -> tuple[str, ...]:
+        """The labels given to the tensors travelling in the same
+        collective as this one (a bucket's), in order; empty unless
+        labelled.
+        """
+        return ()
+
 
 class _CompletedHandle(Handle):
     def __init__(self, tensor: torch.Tensor) -> None:
@@ -454,6 +462,9 @@ class Bucket:
         self._record = record
         self._parts: list[torch.Tensor] = []
         self._entries: list[Entry] = []
+        self.labels: list[str] = []
+        """The label of each tensor added, in order (kept to name the
+        bucket when its collective fails)."""
         self._future: torch.futures.Future[Any] | None = None
         self._flat: torch.Tensor | None = None
         self._results: list[torch.Tensor] | None = None
@@ -463,10 +474,13 @@ class Bucket:
         """Whether the allreduce has been started."""
         return self._future is not None
 
-    def add(self, tensor: torch.Tensor, entry: Entry) -> int:
-        """Append `tensor` (read when the bucket starts); return its index."""
+    def add(self, tensor: torch.Tensor, entry: Entry, label: str = '') -> int:
+        """Append `tensor` (read when the bucket starts) with its `label`;
+        return its index.
+        """
         self._parts.append(tensor.reshape(-1))
         self._entries.append(entry)
+        self.labels.append(label)
         self.nbytes += tensor.numel() * tensor.element_size()
         return len(self._entries) - 1
 
@@ -551,6 +565,11 @@ class BucketHandle(Handle):
     def done(self) -> bool:
         """Return whether the bucket has started and completed."""
         return self._bucket.started and self._bucket.start().done()
+
+    @property
+    def labels(self) -> tuple[str, ...]:
+        """The labels of every tensor of the bucket, in order."""
+        return tuple(self._bucket.labels)
 
 
 def _check_tensor(tensor: object, symmetric: bool, average: bool) -> None:
@@ -705,6 +724,7 @@ class TorchDistributedCommunicator:
         group: ProcessGroup | None = None,
         symmetric: bool = False,
         average: bool = True,
+        label: str = '',
     ) -> Handle:
         """Add `tensor` to a bucket that is allreduced as one collective.
 
@@ -725,6 +745,8 @@ class TorchDistributedCommunicator:
             group: the process group; the default group if None.
             symmetric: as in `allreduce()`.
             average: divide the sum by the size of the group.
+            label: names `tensor` in the handle's `labels` (which say
+                what a failed bucket held).
 
         Returns:
             A handle to the reduced tensor, identical on every rank.
@@ -757,7 +779,7 @@ class TorchDistributedCommunicator:
             bucket = Bucket(group_key(group), size, self._record)
             self._pending[key] = bucket
         entry = Entry(tensor.shape, part.numel(), packed, average)
-        index = bucket.add(part, entry)
+        index = bucket.add(part, entry, label)
         if bucket.nbytes >= self._bucket_cap_bytes:
             self._start(key)
         return BucketHandle(bucket, index)

@@ -21,7 +21,9 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
+from typing import NamedTuple
 
 import torch
 
@@ -38,16 +40,58 @@ if TYPE_CHECKING:
 
 
 class KFACDistributedError(RuntimeError):
-    """A K-FAC collective failed (e.g. a peer rank died or timed out)."""
+    """A K-FAC collective failed (e.g. a peer rank died, or stopped
+    calling collectives and the process group's timeout expired).
+
+    Args:
+        message: what failed, and why.
+        phase: the phase of the step it belongs to (one of
+            [`PHASES`][kfac.tracing.PHASES]; `''` outside a step).
+        layers: the layers whose tensors travelled in the collective
+            that failed (a bucket's: all of its layers).
+    """
+
+    def __init__(
+        self, message: str, phase: str = '', layers: tuple[str, ...] = ()
+    ) -> None:
+        super().__init__(message)
+        self.phase = phase
+        """The phase of the step the collective belongs to."""
+        self.layers = layers
+        """The layers whose tensors it carried."""
 
 
-def wait(handle: Handle, what: str) -> torch.Tensor:
-    """`handle.wait()`, naming the K-FAC operation if it fails."""
+def wait(
+    handle: Handle,
+    what: str,
+    *,
+    phase: str = '',
+    layers: tuple[str, ...] = (),
+) -> torch.Tensor:
+    """`handle.wait()`, naming the K-FAC operation if it fails.
+
+    Args:
+        handle: the collective's handle.
+        what: the operation, e.g. `'factor A allreduce'`.
+        phase: the phase of the step it belongs to.
+        layers: the layers it carries; a bucket's handle names the layers
+            of the whole bucket instead (its `labels`).
+
+    Raises:
+        KFACDistributedError: the collective failed; the message names
+            the operation, this rank, the phase and the layers.
+    """
     try:
         return handle.wait()
     except RuntimeError as err:
+        held = tuple(dict.fromkeys(handle.labels or layers))
+        where = f' in phase {phase}' if phase else ''
+        if held:
+            where += f' (it carried layers {", ".join(held)})'
         raise KFACDistributedError(
-            f'K-FAC {what} failed on rank {get_rank()}: {err}',
+            f'K-FAC {what} failed on rank {get_rank()}{where}: {err}',
+            phase,
+            held,
         ) from err
 
 
@@ -58,6 +102,7 @@ def start_factor_allreduce(
     comm: TorchDistributedCommunicator,
     layer: KFACBaseLayer,
     *,
+    name: str = '',
     group: ProcessGroup | None = None,
     bucketed: bool,
 ) -> list[Handle]:
@@ -65,12 +110,12 @@ def start_factor_allreduce(
 
     Every rank of `group` calls this for the same layers in the same order.
     A dense factor is flagged symmetric (it may travel as a packed
-    triangle); a diagonal one travels as its vector.
+    triangle); a diagonal one travels as its vector. Bucketed, each is
+    labelled with the layer's `name`.
 
     Returns:
         One handle per factor, in the order of `layer.factors`.
     """
-    reduce = comm.allreduce_bucketed if bucketed else comm.allreduce
     handles = []
     for factor in layer.factors:
         if factor.value is None:
@@ -78,26 +123,68 @@ def start_factor_allreduce(
                 f'{layer}: factor {factor.name} is allreduced before its '
                 'first update',
             )
-        handles.append(
-            reduce(factor.value, group=group, symmetric=not factor.diagonal)
-        )
+        symmetric = not factor.diagonal
+        if bucketed:
+            handle = comm.allreduce_bucketed(
+                factor.value, group=group, symmetric=symmetric, label=name
+            )
+        else:
+            handle = comm.allreduce(
+                factor.value, group=group, symmetric=symmetric
+            )
+        handles.append(handle)
     return handles
 
 
 def start_health_reduction(
     comm: TorchDistributedCommunicator,
     finite: list[torch.Tensor],
+    shared: Sequence[float] | None = None,
 ) -> Handle | None:
-    """Start summing, over all ranks, the number of non-finite statistics.
+    """Start summing, over all ranks, the non-finite statistics, and
+    `shared`.
 
     Every rank calls this once per factor update with one 0-d bool tensor
-    per updated layer (None when no layer was updated anywhere).
+    per updated layer (None when no layer was updated anywhere) and the
+    same kind of `shared`: None, or values of the same length on every
+    rank (all zeros: nothing is copied to the device).
+
+    Returns:
+        A handle to the float32 count of non-finite statistics (without
+        `shared`), or to a float64 vector: per layer of `finite`, the
+        number of ranks whose statistics of it were not finite, then
+        `shared` summed.
     """
     if not finite:
         return None
     flags = torch.stack([~flag for flag in finite])
-    count = flags.sum(dtype=torch.float32).reshape(1)
-    return comm.allreduce(count, average=False)
+    if shared is None:
+        count = flags.sum(dtype=torch.float32).reshape(1)
+        return comm.allreduce(count, average=False)
+    flags = flags.to(torch.float64)
+    if any(shared):
+        values = torch.tensor(shared, dtype=torch.float64)
+        flags = torch.cat([flags, values.to(flags.device)])
+    else:
+        flags = torch.cat([flags, flags.new_zeros(len(shared))])
+    return comm.allreduce(flags, average=False)
+
+
+class Health(NamedTuple):
+    """What the health reduction of one factor update found, identical
+    on every rank.
+    """
+
+    reduced: bool
+    """Whether some layer was reduced (else nothing was learnt)."""
+    bad_count: int
+    """Non-finite batch statistics, summed over the layers and ranks (0:
+    the updates were committed)."""
+    nonfinite: tuple[str, ...] = ()
+    """The layers whose statistics were not finite on some rank (known
+    only with `shared`)."""
+    shared: tuple[float, ...] = ()
+    """The `shared` values of every rank, summed."""
 
 
 class FactorReduction:
@@ -134,37 +221,60 @@ class FactorReduction:
                 finite.
         """
         handles = start_factor_allreduce(
-            self.comm, layer, bucketed=self.bucketed
+            self.comm, layer, name=name, bucketed=self.bucketed
         )
         self._started.append((name, layer, handles))
         self._finite.append(finite)
 
-    def finish(self) -> int:
+    def finish(self, shared: Sequence[float] | None = None) -> Health:
         """Wait for every started allreduce and store the averages.
 
         The updates are then committed on every layer reduced, or, if any
         rank had a non-finite batch statistic, all rolled back (every rank
-        decides the same).
+        decides the same). One host read.
+
+        Args:
+            shared: None (only the count travels, a float32), or values
+                summed over the ranks with the health count, of the same
+                length on every rank; they travel only when some layer was
+                started, and so do the names of the layers whose
+                statistics were not finite.
 
         Returns:
-            The number of non-finite batch statistics summed over all
-            ranks (0: the updates were committed).
+            What the health count found.
         """
-        bad = start_health_reduction(self.comm, self._finite)
+        bad = start_health_reduction(self.comm, self._finite, shared)
         self.comm.flush()
-        for _, layer, handles in self._started:
+        for name, layer, handles in self._started:
             for factor, handle in zip(layer.factors, handles):
-                value = wait(handle, f'factor {factor.name} allreduce')
+                value = wait(
+                    handle,
+                    f'factor {factor.name} allreduce',
+                    phase='factor_allreduce',
+                    layers=(name,),
+                )
                 layer.set_factor(factor.name, value)
-        bad_count = 0 if bad is None else int(wait(bad, 'health allreduce'))
+        health = Health(False, 0)
+        if bad is not None:
+            read = wait(bad, 'health allreduce', phase='factor_allreduce')
+            health = self._health(read.tolist(), shared is not None)
         for _, layer, _ in self._started:
-            if bad_count:
+            if health.bad_count:
                 layer.rollback_factors()
             else:
                 layer.commit_factors()
         self._started.clear()
         self._finite.clear()
-        return bad_count
+        return health
+
+    def _health(self, read: list[float], detailed: bool) -> Health:
+        """The health count read on the host."""
+        if not detailed:
+            return Health(True, int(read[0]))
+        count = len(self._finite)
+        flags = read[:count]
+        bad = tuple(n for (n, _, _), f in zip(self._started, flags) if f)
+        return Health(True, int(sum(flags)), bad, tuple(read[count:]))
 
 
 # Decompositions ----------------------------------------------------------
@@ -236,10 +346,22 @@ def broadcast_decompositions(
                 src=plan.inv_worker(name, f),
                 group=plan.factor_group(name, f),
             )
-            pending.append((layer, f, handles))
+            pending.append((name, layer, f, handles))
     received = [
-        (layer, f, tuple(wait(h, 'decomposition broadcast') for h in hs))
-        for layer, f, hs in pending
+        (
+            layer,
+            f,
+            tuple(
+                wait(
+                    h,
+                    f'decomposition broadcast of factor {f}',
+                    phase='decomposition_broadcast',
+                    layers=(name,),
+                )
+                for h in hs
+            ),
+        )
+        for name, layer, f, hs in pending
     ]
     checks = [torch.isfinite(t).all() for _, _, ts in received for t in ts]
     flags = torch.stack(checks).tolist() if checks else []
@@ -263,7 +385,8 @@ def allreduce_statistics(
     (see
     [`Curvature.batch_statistics`][kfac.layers.curvature.base.Curvature.batch_statistics]).
 
-    Every rank calls this with the same keys in the same order (the
+    Every rank calls this with the same keys (`'<layer>/<name>'`) in the
+    same order (the
     statistics of the layers whose factors were updated in this step),
     each holding those of its own examples; a non-finite entry on one rank
     makes it non-finite on all, which the curvatures then handle alike.
@@ -271,11 +394,22 @@ def allreduce_statistics(
     Returns:
         The averages, by key, identical on every rank.
     """
-    reduce = comm.allreduce_bucketed if bucketed else comm.allreduce
-    handles = {key: reduce(value) for key, value in statistics.items()}
+    handles = {
+        key: (
+            comm.allreduce_bucketed(value, label=key.split('/')[0])
+            if bucketed
+            else comm.allreduce(value)
+        )
+        for key, value in statistics.items()
+    }
     comm.flush()
     return {
-        key: wait(handle, f'curvature statistics allreduce of {key}')
+        key: wait(
+            handle,
+            f'curvature statistics allreduce of {key}',
+            phase='scale_allreduce',
+            layers=(key.split('/')[0],),
+        )
         for key, handle in handles.items()
     }
 
@@ -312,6 +446,7 @@ def broadcast_grads(
     """
     handles = [
         (
+            name,
             layer,
             start_grad_broadcast(
                 comm,
@@ -322,5 +457,11 @@ def broadcast_grads(
         )
         for name, layer in layers.items()
     ]
-    for layer, handle in handles:
-        layer.set_preconditioned_grad(wait(handle, 'gradient broadcast'))
+    for name, layer, handle in handles:
+        grad = wait(
+            handle,
+            'gradient broadcast',
+            phase='grad_broadcast',
+            layers=(name,),
+        )
+        layer.set_preconditioned_grad(grad)

@@ -242,6 +242,13 @@ class KFACBaseLayer:
         """Fault counters: `decomposition_retries`,
         `decomposition_failures`, `unpreconditioned_steps`,
         `nonfinite_gradients` (absent until the first event)."""
+        self.failures_in_a_row: Counter[str] = Counter()
+        """Per factor name, its decompositions that failed in every
+        attempt since its last good one (counted by its inverse worker;
+        the engine shares the counts with the other ranks)."""
+        self.failed_traces: dict[str, float] = {}
+        """Per factor name, the trace of the matrix of its last failed
+        decomposition (on its inverse worker)."""
         self.curvature: Curvature = config.make(self)
         """The method: decompositions and preconditioning."""
         if self.curvature.keeps_examples:
@@ -537,6 +544,7 @@ class KFACBaseLayer:
             Whether a new decomposition was stored.
         """
         if valid and first is not None and self._store(name, first, damping):
+            del self.failures_in_a_row[name]
             return True
         for attempt in range(1, len(self._attempts())):
             result = self.try_decomposition(name, damping, attempt)
@@ -546,9 +554,21 @@ class KFACBaseLayer:
                 and self._store(name, result, damping)
             ):
                 self.counters['decomposition_retries'] += attempt
+                del self.failures_in_a_row[name]
                 return True
         self.counters['decomposition_failures'] += 1
+        self.failures_in_a_row[name] += 1
+        self.failed_traces[name] = self._trace(name)
         return False
+
+    def _trace(self, name: str) -> float:
+        """The trace of the matrix decomposed for factor `name` (a host
+        read, on the failure path only).
+        """
+        value = self.decomposition_input(name)
+        assert value is not None  # decomposed, so it exists
+        diagonal = value if value.dim() == 1 else value.diagonal()
+        return float(diagonal.sum())
 
     def _store(self, name: str, result: Attempt, damping: float) -> bool:
         """Keep a valid attempt; False if it cannot be completed."""

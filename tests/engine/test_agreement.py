@@ -79,6 +79,8 @@ def test_description_of_one_linear() -> None:
         ('update_factors_in_hook', 'True'),
         ('statistics.loss_average', "'batch'"),
         ('statistics.position_sample_seed', '0'),
+        ('statistics.max_nonfinite_statistics', 'None'),
+        ('statistics.max_decomposition_failures', 'None'),
         ('fisher.fisher_type', "'empirical'"),
         ('fisher.mc_samples', '1'),
         ('fisher.mc_seed', '0'),
@@ -181,6 +183,20 @@ VARIANTS = [
         {},
         {'statistics': StatisticsConfig(position_sample_seed=3)},
         'statistics.position_sample_seed: 0 on ranks [0], 3 on ranks [1]',
+    ),
+    Variant(
+        'statistics.max_nonfinite_statistics',
+        {},
+        {'statistics': StatisticsConfig(max_nonfinite_statistics=2)},
+        'statistics.max_nonfinite_statistics: None on ranks [0], 2 on '
+        'ranks [1]',
+    ),
+    Variant(
+        'statistics.max_decomposition_failures',
+        {'statistics': StatisticsConfig(max_decomposition_failures=0)},
+        {},
+        'statistics.max_decomposition_failures: 0 on ranks [0], None on '
+        'ranks [1]',
     ),
     Variant(
         'fisher.fisher_type',

@@ -75,6 +75,7 @@ def test_factor_update_folds_the_batch_and_logs_the_missing_once(
         bucketed=True,
         phase=no_phase,
         faults=Faults(LOG),
+        assignment=assignment(layers),
     )
     captured(ran)
     with caplog.at_level(logging.WARNING, logger=LOG.name):

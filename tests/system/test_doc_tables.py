@@ -511,13 +511,18 @@ def test_migration_row_holds_the_old_value(before: str, now: str) -> None:
         )
 
 
+NEW_SINCE_1CAA768 = {'max_decomposition_failures', 'max_nonfinite_statistics'}
+"""Group fields that did not exist at `1caa768`: nothing to migrate."""
+
+
 def test_migration_table_names_every_field_of_the_groups() -> None:
     named = {
         name
         for _, now in _migration_rows()
         for name in _keywords(f'dict({now})')
     }
-    missing = sorted(_group_fields() - named)
+    assert _group_fields() >= NEW_SINCE_1CAA768
+    missing = sorted(_group_fields() - named - NEW_SINCE_1CAA768)
     assert not missing, f'the migration table never names {missing}'
 
 

@@ -139,5 +139,6 @@ def test_dead_rank_fails_the_others_with_a_named_operation(
     report = str(info.value)
     assert 'rank 1' in report
     assert 'KFACDistributedError: K-FAC factor' in report
-    assert 'allreduce failed on rank 0' in report
+    assert 'allreduce failed on rank 0 in phase factor_allreduce' in report
+    assert '(it carried layers fc2, fc1)' in report  # one bucket, as filled
     assert elapsed < 60  # failed, not timed out
