@@ -8,6 +8,7 @@ types (subclasses included) to their
 from __future__ import annotations
 
 import dataclasses
+import re
 from collections.abc import Iterable
 from collections.abc import Mapping
 
@@ -89,6 +90,40 @@ def compile_patterns(skip_layers: str | Iterable[str] | None) -> list[str]:
             )
         check_pattern('skip_layers', pattern)
     return result
+
+
+def any_match(query: str, patterns: Iterable[str]) -> bool:
+    """Whether any regular expression of `patterns` is found in `query`
+    (`re.search`), as the original's `skip_layers` test; registration
+    also matches the class name (see
+    [`selects`][kfac.layers.options.selects]).
+
+    Examples:
+        >>> any_match('block.fc1', ['^fc', 'fc1$'])
+        True
+    """
+    return any(re.search(pattern, query) for pattern in patterns)
+
+
+def get_flattened_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """The leaves of `model` (modules without children) with their dotted
+    names, in `model.named_modules()` order; registration itself visits
+    every module
+    ([`register_model`][kfac.layers.register.register_model]).
+    """
+    return [
+        (name, module)
+        for name, module in model.named_modules()
+        if next(module.children(), None) is None
+    ]
+
+
+def requires_grad(module: nn.Module) -> bool:
+    """Whether every parameter of `module` (its children's included)
+    requires a gradient; registration asks this of the weight alone and
+    reports a frozen one.
+    """
+    return all(param.requires_grad for param in module.parameters())
 
 
 _SEPARATE_WEIGHTS = ('q_proj_weight', 'k_proj_weight', 'v_proj_weight')

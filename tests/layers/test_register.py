@@ -5,9 +5,12 @@ from torch import nn
 
 from kfac.layers.modules import Conv2dModuleHelper
 from kfac.layers.modules import LinearModuleHelper
+from kfac.layers.register import any_match
+from kfac.layers.register import get_flattened_modules
 from kfac.layers.register import get_module_helper
 from kfac.layers.register import register_model
 from kfac.layers.register import register_modules
+from kfac.layers.register import requires_grad
 from testing.models import AttentionNet
 from testing.models import TinyCNN
 
@@ -76,3 +79,33 @@ def test_attention_projection_is_not_registered() -> None:
 
 def test_cnn_registration() -> None:
     assert list(register_modules(TinyCNN())) == ['conv1', 'conv2', 'fc']
+
+
+@pytest.mark.parametrize(
+    ('query', 'patterns', 'expected'),
+    [
+        ('block.fc1', [], False),
+        ('block.fc1', ['fc2'], False),
+        ('block.fc1', ['^fc'], False),
+        ('block.fc1', ['^fc', r'fc1$'], True),
+        ('block.fc1', ['block'], True),
+    ],
+)
+def test_any_match(query: str, patterns: list[str], expected: bool) -> None:
+    assert any_match(query, patterns) is expected
+
+
+def test_get_flattened_modules_lists_the_leaves_in_order() -> None:
+    inner = nn.Sequential(nn.ReLU(), nn.Linear(3, 1))
+    model = nn.Sequential(nn.Linear(2, 3), inner)
+    leaves = get_flattened_modules(model)
+    assert [name for name, _ in leaves] == ['0', '1.0', '1.1']
+    assert [module for _, module in leaves] == [model[0], inner[0], inner[1]]
+
+
+def test_requires_grad_needs_every_parameter() -> None:
+    model = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 1))
+    assert requires_grad(model)
+    model[1].bias.requires_grad_(False)
+    assert not requires_grad(model)
+    assert requires_grad(model[0])
