@@ -137,7 +137,8 @@ class ModuleHelper(abc.ABC):
 
     def has_symmetric_factors(self) -> bool:
         """Always true: `A` and `G` are second moments, so symmetric (the
-        original's question to a helper)."""
+        original's question to a helper).
+        """
         return True
 
     def get_weight_grad(self) -> torch.Tensor | None:
@@ -183,7 +184,8 @@ class ModuleHelper(abc.ABC):
 
     def has_bias(self) -> bool:
         """Whether `A` includes the constant-1 input of a trained bias (a
-        method, as in the original)."""
+        method, as in the original).
+        """
         return self.bias is not None
 
     @property
