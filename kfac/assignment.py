@@ -26,6 +26,7 @@ from kfac.enums import DistributedStrategy
 from kfac.enums import parse_enum
 from kfac.placement import KAISAPlan
 from kfac.placement import grad_workers_from_fraction
+from kfac.placement import greedy_placement
 from kfac.placement import plan_kaisa
 from kfac.validation import check_callable
 from kfac.validation import is_int
@@ -130,6 +131,16 @@ def decomposition_work(
     }
 
 
+def _grid(world_size: int, grad_workers: int) -> KAISAPlan:
+    """The plan of no layers: its groups alone."""
+    return plan_kaisa(
+        {},
+        world_size=world_size,
+        grad_workers=grad_workers,
+        colocate_factors=True,
+    )
+
+
 class KAISAAssignment(WorkAssignment):
     """KAISA work assignment seen from one rank.
 
@@ -226,6 +237,87 @@ class KAISAAssignment(WorkAssignment):
         """Gradient workers per layer over the world size."""
         return self._plan.grad_workers / self._plan.world_size
 
+    @staticmethod
+    def partition_grad_workers(
+        world_size: int, grad_workers: int
+    ) -> set[frozenset[int]]:
+        """The gradient-worker groups of `world_size` ranks with
+        `grad_workers` workers per layer: the `world_size / grad_workers`
+        blocks of consecutive ranks (the original's name; it returned the
+        strided groups, see [the grid][kfac.placement]).
+
+        Raises:
+            TypeError: an argument is not an int.
+            ValueError: an argument is below 1, or `grad_workers` does not
+                divide `world_size`.
+
+        Examples:
+            >>> groups = KAISAAssignment.partition_grad_workers(4, 2)
+            >>> sorted(map(sorted, groups))
+            [[0, 1], [2, 3]]
+        """
+        plan = _grid(world_size, grad_workers)
+        return {frozenset(group) for group in plan.grad_worker_groups}
+
+    @staticmethod
+    def partition_grad_receivers(
+        world_size: int, grad_workers: int
+    ) -> set[frozenset[int]]:
+        """The gradient-receiver groups of `world_size` ranks with
+        `grad_workers` workers per layer: the `grad_workers` strided groups
+        (the original's name; it returned blocks of consecutive ranks).
+
+        Raises:
+            TypeError: an argument is not an int.
+            ValueError: an argument is below 1, or `grad_workers` does not
+                divide `world_size`.
+
+        Examples:
+            >>> groups = KAISAAssignment.partition_grad_receivers(4, 2)
+            >>> sorted(map(sorted, groups))
+            [[0, 2], [1, 3]]
+        """
+        plan = _grid(world_size, grad_workers)
+        return {frozenset(group) for group in plan.grad_receiver_groups}
+
+    @staticmethod
+    def greedy_assignment(
+        work: Mapping[str, Mapping[str, float]],
+        worker_groups: Iterable[Iterable[int]],
+        world_size: int,
+        colocate_factors: bool,
+    ) -> dict[str, dict[str, int]]:
+        """The inverse worker of each factor, placed greedily over
+        `worker_groups` (the original's name of
+        [`greedy_placement`][kfac.placement.greedy_placement]; factors of
+        equal cost are placed in the given order, where the original
+        placed them in descending order of their names).
+
+        Args:
+            work: layer name -> factor name -> non-negative finite cost.
+            worker_groups: the groups of ranks, in `[0, world_size)`.
+            world_size: number of ranks.
+            colocate_factors: keep all factors of a layer on one rank.
+
+        Returns:
+            layer -> factor -> rank.
+
+        Raises:
+            TypeError: an argument has the wrong type.
+            ValueError: an argument has a disallowed value, or a rank is
+                not below `world_size`.
+        """
+        size = validate_int('world_size', world_size)
+        groups = [list(group) for group in worker_groups]
+        if outside := [r for g in groups for r in g if r >= size]:
+            raise ValueError(
+                f'worker_groups ranks must be < world_size={size}; '
+                f'got {outside}'
+            )
+        return greedy_placement(
+            work, groups, colocate_factors=colocate_factors
+        )
+
     def _group(self, layer: str) -> int:
         if layer not in self._plan.layer_groups:
             raise KeyError(
@@ -286,11 +378,19 @@ class KAISAAssignment(WorkAssignment):
 
     def __repr__(self) -> str:
         plan = self._plan
-        placement = {k: dict(v) for k, v in plan.inv_workers.items()}
-        return (
-            f'{type(self).__name__}(local_rank={self._rank}, '
-            f'world_size={plan.world_size}, '
-            f'grad_workers={plan.grad_workers}, '
-            f'grad_worker_groups={plan.grad_worker_groups}, '
-            f'inv_workers={placement})'
+        lines = [
+            f'  {layer!r}: inv_workers={dict(ranks)}, '
+            f'is_grad_worker={self.is_grad_worker(layer)}, '
+            f'src_grad_worker={self.src_grad_worker(layer)},'
+            for layer, ranks in plan.inv_workers.items()
+        ]
+        return '\n'.join(
+            [
+                f'{type(self).__name__}(local_rank={self._rank}, '
+                f'world_size={plan.world_size}, '
+                f'grad_workers={plan.grad_workers}, '
+                f'grad_worker_groups={plan.grad_worker_groups},',
+                *lines,
+                ')',
+            ]
         )

@@ -57,6 +57,7 @@ __all__ = [
     'KAISAPlan',
     'factor_cost',
     'grad_workers_from_fraction',
+    'greedy_placement',
     'parse_grad_worker_fraction',
     'plan_kaisa',
     'valid_grad_worker_fractions',
@@ -124,8 +125,6 @@ def _check_factors(layer: str, factors: object) -> dict[str, float]:
 def _check_work(work: object) -> dict[str, dict[str, float]]:
     if not isinstance(work, Mapping):
         raise type_error('work', work, 'a mapping of layer to factor costs')
-    if not work:
-        raise ValueError('work must name at least one layer; got {}')
     checked: dict[str, dict[str, float]] = {}
     for layer, factors in work.items():
         if not isinstance(layer, str):
@@ -264,7 +263,7 @@ def _place(
     """Greedy longest-processing-time-first placement of `work`."""
     totals = {layer: sum(costs.values()) for layer, costs in work.items()}
     group_loads = [0.0] * len(groups)
-    rank_loads = [0.0] * sum(len(group) for group in groups)
+    rank_loads = [0.0] * (max(max(group) for group in groups) + 1)
     placed: dict[str, dict[str, int]] = {}
     layer_groups: dict[str, int] = {}
     # sorted() is stable: equal costs keep the given order.
@@ -284,6 +283,73 @@ def _place(
         {layer: placed[layer] for layer in work},
         {layer: layer_groups[layer] for layer in work},
     )
+
+
+def _check_groups(worker_groups: object) -> tuple[tuple[int, ...], ...]:
+    shown = 'worker_groups'
+    if isinstance(worker_groups, (str, bytes)) or not isinstance(
+        worker_groups, Iterable
+    ):
+        raise type_error(shown, worker_groups, 'a list of lists of ranks')
+    groups = []
+    for group in worker_groups:
+        if isinstance(group, (str, bytes)) or not isinstance(group, Iterable):
+            raise type_error(shown, worker_groups, 'a list of lists of ranks')
+        groups.append(
+            tuple(
+                validate_int('worker_groups rank', rank, 0) for rank in group
+            )
+        )
+    ranks = [rank for group in groups for rank in group]
+    if not ranks or not all(groups) or len(set(ranks)) != len(ranks):
+        raise ValueError(
+            'worker_groups must be non-empty groups of distinct ranks, at '
+            f'least one; got {worker_groups!r}'
+        )
+    return tuple(groups)
+
+
+def greedy_placement(
+    work: Mapping[str, Mapping[str, float]],
+    worker_groups: Iterable[Iterable[int]],
+    *,
+    colocate_factors: bool,
+) -> dict[str, dict[str, int]]:
+    """Place each factor's decomposition on a rank of given groups.
+
+    The greedy placement of [`plan_kaisa`][kfac.placement.plan_kaisa] over
+    any worker groups (they need not be equal in size): layers in
+    descending total cost (ties in the given order) each go to the group
+    with the least load so far, and within it to its least-loaded rank
+    (all factors together with `colocate_factors`, else each factor,
+    largest first, ties in the given order).
+
+    Args:
+        work: layer name -> factor name -> non-negative finite cost.
+        worker_groups: the groups, each a non-empty list of distinct
+            non-negative ranks (no rank in two groups).
+        colocate_factors: keep all factors of a layer on one rank.
+
+    Returns:
+        layer -> factor -> rank, in the order of `work`.
+
+    Raises:
+        TypeError: an argument has the wrong type.
+        ValueError: an argument has a disallowed value.
+
+    Examples:
+        >>> greedy_placement(
+        ...     {'fc1': {'A': 8.0, 'G': 1.0}, 'fc2': {'A': 2.0, 'G': 2.0}},
+        ...     [[0], [1, 2]],
+        ...     colocate_factors=False,
+        ... )
+        {'fc1': {'A': 0, 'G': 0}, 'fc2': {'A': 1, 'G': 2}}
+
+    """
+    checked = _check_work(work)
+    groups = _check_groups(worker_groups)
+    check_bool('colocate_factors', colocate_factors)
+    return _place(checked, groups, colocate_factors)[0]
 
 
 def plan_kaisa(

@@ -12,13 +12,21 @@
   Enable with `preconditioner.timer = PhaseTimer()`; pass
   `sync=torch.cuda.synchronize` on GPUs so asynchronous kernels are
   charged to the phase that launched them.
+* The original KAISA code's timing decorator, kept for scripts that use
+  it: [`trace`][kfac.tracing.trace] records the seconds of each call of a
+  function of yours in one table per process, read with
+  [`get_trace`][kfac.tracing.get_trace], logged with
+  [`log_trace`][kfac.tracing.log_trace] and emptied with
+  [`clear_trace`][kfac.tracing.clear_trace]. K-FAC itself does not use it.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import time
+import warnings
 from collections import Counter
 from collections.abc import Callable
 from collections.abc import Iterable
@@ -27,8 +35,11 @@ from collections.abc import Mapping
 from typing import Any
 from typing import NamedTuple
 from typing import Protocol
+from typing import TypeVar
 
 import torch
+
+logger = logging.getLogger(__name__)
 
 Phase = Callable[[str], contextlib.AbstractContextManager[None]]
 """Times one phase of the step: `with phase('decomposition'): ...`."""
@@ -327,3 +338,127 @@ class ClipMonitor:
                 self.WINDOW,
                 clip.ratio,
             )
+
+
+_R = TypeVar('_R')
+
+_TRACES: dict[str, list[float]] = {}
+"""Seconds of each call of each function decorated with `trace`, by the
+function's name (one table per process)."""
+
+
+def trace(
+    sync: bool | Callable[[], None] = False,
+) -> Callable[[Callable[..., _R]], Callable[..., _R]]:
+    """Decorator recording the wall-clock seconds of each call.
+
+    The original KAISA code's timing decorator, for your own functions:
+    each call's seconds are appended, under the function's `__name__`, to
+    one table per process, read by [`get_trace`][kfac.tracing.get_trace].
+    To time K-FAC's own step, use
+    [`PhaseTimer`][kfac.tracing.PhaseTimer] instead.
+
+    Args:
+        sync: called before and after each call, so that the time includes
+            the work the call queued (e.g. `torch.cuda.synchronize`, or
+            `torch.distributed.barrier` to time the slowest rank). The
+            original's `True`, a `torch.distributed.barrier()`, is no
+            longer issued here (`kfac.tracing` issues no collective): it
+            emits a `DeprecationWarning` and times without one; pass
+            `sync=torch.distributed.barrier` for the original's timing.
+
+    Returns:
+        The decorator.
+
+    Raises:
+        TypeError: `sync` is neither a bool nor callable.
+
+    Examples:
+        >>> clear_trace()
+        >>> @trace()
+        ... def double(x):
+        ...     return 2 * x
+        >>> double(3)
+        6
+        >>> list(get_trace())
+        ['double']
+        >>> clear_trace()
+    """
+    if sync is True:
+        warnings.warn(
+            'trace(sync=True) no longer calls torch.distributed.barrier() '
+            '(kfac.tracing issues no collective); pass '
+            'sync=torch.distributed.barrier to time with a barrier',
+            DeprecationWarning,
+            stacklevel=2,
+        )
+    if not isinstance(sync, bool) and not callable(sync):
+        raise TypeError(f'sync must be a bool or callable; got {sync!r}')
+    wait = None if isinstance(sync, bool) else sync
+
+    def decorator(func: Callable[..., _R]) -> Callable[..., _R]:
+        @functools.wraps(func)
+        def timed(*args: Any, **kwargs: Any) -> _R:
+            if wait is not None:
+                wait()
+            start = time.perf_counter()
+            result = func(*args, **kwargs)
+            if wait is not None:
+                wait()
+            seconds = time.perf_counter() - start
+            _TRACES.setdefault(func.__name__, []).append(seconds)
+            return result
+
+        return timed
+
+    return decorator
+
+
+def get_trace(
+    average: bool = True,
+    max_history: int | None = None,
+) -> dict[str, float]:
+    """Seconds per function recorded by [`trace`][kfac.tracing.trace].
+
+    Args:
+        average: the mean seconds per call if true, else their sum.
+        max_history: use only the last `max_history` calls of each
+            function (all if None).
+
+    Returns:
+        Function name -> seconds.
+
+    Raises:
+        ValueError: `max_history` is not a positive int or None.
+    """
+    if max_history is not None and (
+        isinstance(max_history, bool)
+        or not isinstance(max_history, int)
+        or max_history < 1
+    ):
+        raise ValueError(
+            f'max_history must be a positive int or None; got {max_history!r}'
+        )
+    table = {}
+    for name, seconds in _TRACES.items():
+        kept = seconds if max_history is None else seconds[-max_history:]
+        total = sum(kept)
+        table[name] = total / len(kept) if average else total
+    return table
+
+
+def log_trace(
+    average: bool = True,
+    max_history: int | None = None,
+    loglevel: int = logging.INFO,
+) -> None:
+    """Log [`get_trace`][kfac.tracing.get_trace]'s table, one record per
+    function, at `loglevel` on this module's logger.
+    """
+    for name, seconds in get_trace(average, max_history).items():
+        logger.log(loglevel, '%s: %.6f s', name, seconds)
+
+
+def clear_trace() -> None:
+    """Forget every time recorded by [`trace`][kfac.tracing.trace]."""
+    _TRACES.clear()

@@ -140,7 +140,10 @@ def test_accessors_and_repr() -> None:
     assert assignment.get_factors('l') == ('A', 'G')
     assert repr(assignment) == (
         'KAISAAssignment(local_rank=1, world_size=2, grad_workers=1, '
-        "grad_worker_groups=((0,), (1,)), inv_workers={'l': {'A': 0, 'G': 0}})"
+        'grad_worker_groups=((0,), (1,)),\n'
+        "  'l': inv_workers={'A': 0, 'G': 0}, is_grad_worker=False, "
+        'src_grad_worker=0,\n'
+        ')'
     )
 
 
@@ -200,7 +203,6 @@ def test_default_group_func_uses_new_group(
 
 def _error_cases() -> list[tuple[dict[str, Any], type[Exception], str]]:
     return [
-        ({'work': {}}, ValueError, r'^work must name at least one layer'),
         ({'work': {'l': {'A': -1}}}, ValueError, r"^work\['l'\]\['A'\]"),
         ({'grad_worker_fraction': 0.3}, ValueError, r'valid fractions: \['),
         ({'grad_worker_fraction': None}, TypeError, '^grad_worker_fraction'),
@@ -274,3 +276,53 @@ def test_holds_decomposition_defaults_to_the_gradient_workers() -> None:
             assert assignment.holds_decomposition(layer) == (
                 assignment.is_grad_worker(layer)
             )
+
+
+@pytest.mark.parametrize(('world_size', 'grad_workers'), sorted(GRID))
+def test_partition_functions_give_the_grid(
+    world_size: int, grad_workers: int
+) -> None:
+    workers, receivers = GRID[world_size, grad_workers]
+    assert KAISAAssignment.partition_grad_workers(
+        world_size, grad_workers
+    ) == {frozenset(group) for group in workers}
+    assert KAISAAssignment.partition_grad_receivers(
+        world_size, grad_workers
+    ) == {frozenset(group) for group in receivers}
+
+
+@pytest.mark.parametrize(
+    ('world_size', 'grad_workers', 'match'),
+    [(4, 3, '^grad_workers=3 must divide'), (0, 2, '^world_size must be')],
+)
+def test_partition_functions_reject_a_bad_grid(
+    world_size: int, grad_workers: int, match: str
+) -> None:
+    for partition in (
+        KAISAAssignment.partition_grad_workers,
+        KAISAAssignment.partition_grad_receivers,
+    ):
+        with pytest.raises(ValueError, match=match):
+            partition(world_size, grad_workers)
+
+
+def test_an_assignment_of_no_layers() -> None:
+    assignment = _assignment(work={}, group_func=RecordingGroups())
+    assert assignment.get_layers() == ()
+    assert assignment.plan.grad_worker_groups == GRID[4, 2][0]
+
+
+def test_greedy_assignment_places_over_the_given_groups() -> None:
+    work = {'big': {'A': 6.0, 'G': 3.0}, 'mid': {'A': 2.0, 'G': 2.0}}
+    assert KAISAAssignment.greedy_assignment(
+        work, [[3], [0, 1]], 4, False
+    ) == {
+        'big': {'A': 3, 'G': 3},
+        'mid': {'A': 0, 'G': 1},
+    }
+    with pytest.raises(
+        ValueError, match=r'^worker_groups ranks must be < world_size=2; got'
+    ):
+        KAISAAssignment.greedy_assignment(work, [[0, 2]], 2, True)
+    with pytest.raises(TypeError, match='^world_size must be an int'):
+        KAISAAssignment.greedy_assignment(work, [[0]], 1.0, True)  # type: ignore[arg-type]  # the wrong type tested

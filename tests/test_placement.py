@@ -15,6 +15,7 @@ from kfac.enums import DistributedStrategy
 from kfac.placement import KAISAPlan
 from kfac.placement import factor_cost
 from kfac.placement import grad_workers_from_fraction
+from kfac.placement import greedy_placement
 from kfac.placement import parse_grad_worker_fraction
 from kfac.placement import plan_kaisa
 from kfac.placement import valid_grad_worker_fractions
@@ -268,7 +269,6 @@ def _work_errors() -> list[tuple[object, type[Exception], str]]:
     nan, inf = math.nan, math.inf
     cases: list[tuple[object, type[Exception], str]] = [
         ([('l', {'A': 1})], TypeError, r'^work must be a mapping'),
-        ({}, ValueError, r'^work must name at least one layer'),
         ({1: {'A': 1.0}}, TypeError, r'^work layer name must be a str'),
         ({'l': [1.0]}, TypeError, r"^work\['l'\] must be a mapping"),
         ({'l': {}}, ValueError, r"^work\['l'\] must name at least one"),
@@ -287,6 +287,71 @@ def _work_errors() -> list[tuple[object, type[Exception], str]]:
 def test_invalid_work(work: Any, error: type[Exception], match: str) -> None:
     with pytest.raises(error, match=match):
         plan_kaisa(work, world_size=4, grad_workers=2, colocate_factors=True)
+
+
+@pytest.mark.parametrize(('world_size', 'grad_workers'), sorted(GRID))
+def test_a_plan_of_no_layers_has_the_grid(
+    world_size: int, grad_workers: int
+) -> None:
+    plan = plan_kaisa(
+        {},
+        world_size=world_size,
+        grad_workers=grad_workers,
+        colocate_factors=False,
+    )
+    workers, receivers = GRID[world_size, grad_workers]
+    assert plan.grad_worker_groups == workers
+    assert plan.grad_receiver_groups == receivers
+    assert dict(plan.inv_workers) == {}
+    assert dict(plan.layer_groups) == {}
+
+
+def test_greedy_placement_over_uneven_groups() -> None:
+    work = {
+        'big': {'A': 6.0, 'G': 3.0},
+        'mid': {'A': 2.0, 'G': 2.0},
+        'small': {'A': 1.0},
+    }
+    # big (9) -> group (5,) alone; mid (4) -> group (1, 3): A to 1, G
+    # to 3; small (1) -> group (1, 3), its least-loaded rank, 1 (tie).
+    assert greedy_placement(work, [[5], [1, 3]], colocate_factors=False) == {
+        'big': {'A': 5, 'G': 5},
+        'mid': {'A': 1, 'G': 3},
+        'small': {'A': 1},
+    }
+    assert greedy_placement(work, [[5], [1, 3]], colocate_factors=True) == {
+        'big': {'A': 5, 'G': 5},
+        'mid': {'A': 1, 'G': 1},
+        'small': {'A': 3},
+    }
+    assert greedy_placement({}, [[0]], colocate_factors=True) == {}
+
+
+@pytest.mark.parametrize(
+    ('groups', 'error', 'match'),
+    [
+        (3, TypeError, '^worker_groups must be a list of lists of ranks'),
+        ('01', TypeError, '^worker_groups must be a list of lists of ranks'),
+        ([3], TypeError, '^worker_groups must be a list of lists of ranks'),
+        ([['0']], TypeError, '^worker_groups rank must be an int'),
+        ([[-1]], ValueError, '^worker_groups rank must be >= 0'),
+        ([], ValueError, '^worker_groups must be non-empty groups'),
+        ([[0], []], ValueError, '^worker_groups must be non-empty groups'),
+        ([[0, 1], [1]], ValueError, r'of distinct ranks, at least one; got'),
+    ],
+)
+def test_greedy_placement_rejects_bad_groups(
+    groups: Any, error: type[Exception], match: str
+) -> None:
+    with pytest.raises(error, match=match):
+        greedy_placement(WORK, groups, colocate_factors=True)
+
+
+def test_greedy_placement_checks_work_and_colocate_factors() -> None:
+    with pytest.raises(ValueError, match=r"^work\['l'\]\['A'\] must be"):
+        greedy_placement({'l': {'A': -1.0}}, [[0]], colocate_factors=True)
+    with pytest.raises(TypeError, match='^colocate_factors must be a'):
+        greedy_placement(WORK, [[0]], colocate_factors=1)  # type: ignore[arg-type]  # the wrong type tested
 
 
 @pytest.mark.parametrize(

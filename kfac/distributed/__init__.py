@@ -17,7 +17,11 @@ an initialised process group:
   groups of a KAISA assignment;
 * [`gather_if_different`][kfac.distributed.gather_if_different]: the check,
   at construction, that every rank built the same setup (one all-gather of
-  a digest; the descriptions only when they differ).
+  a digest; the descriptions only when they differ);
+* the original KAISA code's names:
+  [`AllreduceTensorBucket`][kfac.distributed.AllreduceTensorBucket], its
+  explicit bucket, and [`Future`][kfac.distributed.Future], its name of
+  what the communicator returns.
 
 The private modules hold the machinery: handles, buckets, packing, the
 exchanges of one step (factors, decompositions, gradients), the gathers
@@ -30,6 +34,7 @@ excepted).
 from __future__ import annotations
 
 from kfac.distributed._agreement import gather_if_different
+from kfac.distributed._bucket import AllreduceTensorBucket
 from kfac.distributed._communicator import Handle
 from kfac.distributed._communicator import NonSquareTensorError
 from kfac.distributed._communicator import TorchDistributedCommunicator
@@ -40,7 +45,14 @@ from kfac.distributed._groups import default_group_func
 from kfac.distributed._groups import get_rank
 from kfac.distributed._groups import get_world_size
 
+Future = Handle
+"""The original's name of a value in flight (it returned
+`torch.futures.Future`): here the [`Handle`][kfac.distributed.Handle],
+with `wait()` and `done()` (no `then()` or `value()`)."""
+
 __all__ = [
+    'AllreduceTensorBucket',
+    'Future',
     'GroupFunc',
     'Handle',
     'NonSquareTensorError',

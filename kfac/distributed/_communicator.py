@@ -800,6 +800,12 @@ class TorchDistributedCommunicator:
         for key in list(self._pending):
             self._start(key)
 
+    def flush_allreduce_buckets(self) -> None:
+        """The original's name of
+        [`flush`][kfac.distributed.TorchDistributedCommunicator.flush].
+        """
+        self.flush()
+
     def broadcast(
         self,
         tensor: torch.Tensor,

@@ -3,7 +3,7 @@
 `import kfac.layers` imports its submodules (`attention`, `base`, `blocks`,
 `conv`, `curvature`, `eigen`, `embedding`, `examples`, `factory`,
 `helper`, `inverse`, `modules`, `options`, `register`, `sampling`,
-`statistics`, `tied`).
+`statistics`, `tied`, `utils`).
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ from kfac.layers import register
 from kfac.layers import sampling
 from kfac.layers import statistics
 from kfac.layers import tied
+from kfac.layers import utils
 from kfac.layers.base import KFACBaseLayer
 from kfac.layers.eigen import KFACEigenLayer
 from kfac.layers.inverse import KFACInverseLayer
@@ -50,4 +51,5 @@ __all__ = [
     'sampling',
     'statistics',
     'tied',
+    'utils',
 ]

@@ -169,10 +169,9 @@ class BlockHelper(ModuleHelper):
         stop = min(self.cols.stop, self.base.in_features)
         return slice(self.cols.start, max(stop, self.cols.start))
 
-    @property
     def has_bias(self) -> bool:
         """Whether the tile holds the bias column."""
-        return self.base.has_bias and self.cols.stop > self.base.in_features
+        return self.base.has_bias() and self.cols.stop > self.base.in_features
 
     @property
     def in_features(self) -> int:

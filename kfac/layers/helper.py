@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from kfac.layers.sampling import PositionSampler
+from kfac.math import compute_dtype
 
 
 class Grads:
@@ -130,14 +131,67 @@ class ModuleHelper(abc.ABC):
         return (self.weight,) if bias is None else (self.weight, bias)
 
     @property
+    def device(self) -> torch.device:
+        """The device of the module's weight."""
+        return self.weight.device
+
+    def has_symmetric_factors(self) -> bool:
+        """Always true: `A` and `G` are second moments, so symmetric (the
+        original's question to a helper).
+        """
+        return True
+
+    def get_weight_grad(self) -> torch.Tensor | None:
+        """The weight's `.grad`, in the weight's shape (None if unset)."""
+        return self.weight.grad
+
+    def get_bias_grad(self) -> torch.Tensor | None:
+        """The trained bias's `.grad` (None without one, or if unset)."""
+        bias = self.bias
+        return None if bias is None else bias.grad
+
+    def get_a_factor(self, a: torch.Tensor) -> torch.Tensor:
+        """`A` of one batch from the module's input `a` (as its forward
+        hook sees it): `Σ ã ãᵀ` over the rows `a` gives (every position
+        of a shared weight, unless `kfac_approx='reduce'`) over their
+        number, in float32 at least ([`kfac.math`][kfac.math]; for an
+        `a_diagonal` helper, its diagonal).
+
+        The original's name. For a Linear layer it equals the original's
+        result; for a convolution the original also divided the patches
+        by the number of output positions, which the expand convention
+        does not.
+        """
+        total, rows = self.a_statistic(a, compute_dtype(a.dtype))
+        return total / rows
+
+    def get_g_factor(self, g: torch.Tensor) -> torch.Tensor:
+        """`G` of one batch from `g`, the gradient of a loss averaged over
+        the `N` examples with respect to the module's output (as its
+        gradient hook sees it): `(1/N) Σ_n Σ_t ĝ ĝᵀ` over the examples
+        `n` and shared positions `t`, with `ĝ = N · g`, in float32 at
+        least ([`kfac.math`][kfac.math]).
+
+        The original's name. The original took the mean of `g gᵀ` over
+        the rows of `g` as given (and divided a convolution's by the
+        number of output positions), which differs from this by a factor
+        of `N²` (and more for shared weights).
+        """
+        total, examples = self.g_statistic(
+            g, compute_dtype(g.dtype), 1.0, per_example=True
+        )
+        return total / examples
+
     def has_bias(self) -> bool:
-        """Whether `A` includes the constant-1 input of a trained bias."""
+        """Whether `A` includes the constant-1 input of a trained bias (a
+        method, as in the original).
+        """
         return self.bias is not None
 
     @property
     def a_factor_shape(self) -> tuple[int, int]:
         """Shape of `A`: `(in[+1], in[+1])`."""
-        n = self.in_features + int(self.has_bias)
+        n = self.in_features + int(self.has_bias())
         return (n, n)
 
     @property
@@ -229,16 +283,16 @@ class ModuleHelper(abc.ABC):
             dtype: dtype of the sum (at least float32).
         """
         n = self.in_features
-        dim = n + int(self.has_bias)
+        dim = n + int(self.has_bias())
         out = torch.zeros((dim, dim), dtype=dtype, device=layer_input.device)
         gram_block = out[:n, :n]
         count = 0
         for cols in self.a_columns(layer_input.detach(), dtype):
             gram_block.addmm_(cols, cols.T)
-            if self.has_bias:
+            if self.has_bias():
                 out[:n, n] += cols.sum(dim=1)
             count += cols.shape[1]
-        if self.has_bias:
+        if self.has_bias():
             out[n, :n] = out[:n, n]
             out[n, n] = count
         return out, count
@@ -318,7 +372,7 @@ class ModuleHelper(abc.ABC):
         """`rows` `(..., in)` with a last column of ones when `A` has the
         bias entry (`(..., in + 1)`), else `rows`.
         """
-        if not self.has_bias:
+        if not self.has_bias():
             return rows
         ones = rows.new_ones((*rows.shape[:-1], 1))
         return torch.cat([rows, ones], dim=-1)

@@ -8,15 +8,22 @@ types (subclasses included) to their
 from __future__ import annotations
 
 import dataclasses
+import re
+import warnings
 from collections.abc import Iterable
 from collections.abc import Mapping
+from typing import Any
+from typing import TypeVar
+from typing import overload
 
+import torch
 from torch import nn
 
 from kfac.layers._sharing import tie
 from kfac.layers.attention import AttentionProjection
 from kfac.layers.attention import AttentionProjectionHelper
 from kfac.layers.attention import KFACMultiheadAttention
+from kfac.layers.base import KFACBaseLayer
 from kfac.layers.blocks import block_helpers
 from kfac.layers.conv import ConvGroupHelper
 from kfac.layers.conv import ConvModuleHelper
@@ -89,6 +96,40 @@ def compile_patterns(skip_layers: str | Iterable[str] | None) -> list[str]:
             )
         check_pattern('skip_layers', pattern)
     return result
+
+
+def any_match(query: str, patterns: Iterable[str]) -> bool:
+    """Whether any regular expression of `patterns` is found in `query`
+    (`re.search`), as the original's `skip_layers` test; registration
+    also matches the class name (see
+    [`selects`][kfac.layers.options.selects]).
+
+    Examples:
+        >>> any_match('block.fc1', ['^fc', 'fc1$'])
+        True
+    """
+    return any(re.search(pattern, query) for pattern in patterns)
+
+
+def get_flattened_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """The leaves of `model` (modules without children) with their dotted
+    names, in `model.named_modules()` order; registration itself visits
+    every module
+    ([`register_model`][kfac.layers.register.register_model]).
+    """
+    return [
+        (name, module)
+        for name, module in model.named_modules()
+        if next(module.children(), None) is None
+    ]
+
+
+def requires_grad(module: nn.Module) -> bool:
+    """Whether every parameter of `module` (its children's included)
+    requires a gradient; registration asks this of the weight alone and
+    reports a frozen one.
+    """
+    return all(param.requires_grad for param in module.parameters())
 
 
 _SEPARATE_WEIGHTS = ('q_proj_weight', 'k_proj_weight', 'v_proj_weight')
@@ -367,17 +408,128 @@ def _attach_sampler(
         )
 
 
+_ENGINE_KEYWORDS = {
+    'allreduce_method': 'KFACPreconditioner(allreduce_bucket_cap_mb=...)',
+    'grad_scaler': 'KFACPreconditioner(grad_scaler=...)',
+    'symmetry_aware': 'KFACPreconditioner(symmetry_aware=...)',
+    'tdc': 'BaseKFACPreconditioner(communicator=...)',
+}
+"""The original's keywords of `register_modules` that a layer no longer
+uses, and where each goes now."""
+
+_L = TypeVar('_L', bound=KFACBaseLayer)
+
+
+@overload
 def register_modules(
     model: nn.Module,
+    kfac_layer_type: None = None,
     *,
     skip_layers: str | Iterable[str] | None = None,
-) -> dict[str, ModuleHelper]:
+) -> dict[str, ModuleHelper]: ...
+
+
+@overload
+def register_modules(
+    model: nn.Module,
+    kfac_layer_type: type[_L],
+    *,
+    skip_layers: str | Iterable[str] | None = None,
+    factor_dtype: torch.dtype | None = None,
+    inv_dtype: torch.dtype | None = None,
+    **engine: object,
+) -> dict[nn.Module, tuple[str, _L]]: ...
+
+
+def register_modules(
+    model: nn.Module,
+    kfac_layer_type: type[KFACBaseLayer] | None = None,
+    *,
+    skip_layers: str | Iterable[str] | None = None,
+    factor_dtype: torch.dtype | None = None,
+    inv_dtype: torch.dtype | None = None,
+    **engine: object,
+) -> dict[Any, Any]:  # one of the overloads' types
     """Find the modules of `model` that K-FAC preconditions.
 
     The helpers of [`register_model`][kfac.layers.register.register_model]
-    with the default options.
+    with the default options, or, as in the original, a layer of
+    `kfac_layer_type` for each.
+
+    Args:
+        model: the model.
+        kfac_layer_type: the original's form: a subclass of
+            [`KFACBaseLayer`][kfac.layers.base.KFACBaseLayer] (e.g.
+            `KFACEigenLayer`), made as `kfac_layer_type(helper,
+            factor_dtype=..., inv_dtype=...)` for each module.
+        skip_layers: see `register_model`.
+        factor_dtype: with `kfac_layer_type`: the layers' factor dtype.
+        inv_dtype: with `kfac_layer_type`: the layers' decomposition dtype.
+        **engine: with `kfac_layer_type`, the original's keywords that a
+            layer no longer uses (`allreduce_method`, `grad_scaler`,
+            `symmetry_aware`, `tdc`): each emits a `DeprecationWarning`
+            naming where it goes now, and has no effect here.
 
     Returns:
-        `{dotted name: helper}`, in `model.named_modules()` order.
+        `{dotted name: helper}` in `model.named_modules()` order; with
+        `kfac_layer_type`, `{module: (dotted name, layer)}`.
+
+    Raises:
+        TypeError: `kfac_layer_type` is not a `KFACBaseLayer` subclass, a
+            keyword is unknown, or a layer keyword is given without it.
+        ValueError: with `kfac_layer_type`, a module is preconditioned as
+            several layers (a grouped convolution, a tiled factor).
     """
-    return register_model(model, skip_layers=skip_layers).helpers
+    helpers = register_model(model, skip_layers=skip_layers).helpers
+    if unknown := sorted(set(engine) - set(_ENGINE_KEYWORDS)):
+        raise TypeError(
+            f'register_modules() got unknown keywords {unknown}; the '
+            f"original's were {sorted(_ENGINE_KEYWORDS)}, factor_dtype and "
+            'inv_dtype'
+        )
+    if kfac_layer_type is None:
+        if engine or factor_dtype is not None or inv_dtype is not None:
+            raise TypeError(
+                'register_modules(): factor_dtype, inv_dtype and '
+                f'{sorted(_ENGINE_KEYWORDS)} need kfac_layer_type'
+            )
+        return helpers
+    if not (
+        isinstance(kfac_layer_type, type)
+        and issubclass(kfac_layer_type, KFACBaseLayer)
+    ):
+        raise TypeError(
+            'kfac_layer_type must be a subclass of KFACBaseLayer; got '
+            f'{kfac_layer_type!r}'
+        )
+    for keyword in engine:
+        warnings.warn(
+            f'register_modules({keyword}=...) has no effect: layers no '
+            f'longer communicate or unscale; give it to '
+            f'{_ENGINE_KEYWORDS[keyword]} instead',
+            DeprecationWarning,
+            stacklevel=2,
+        )
+    return _original_layers(helpers, kfac_layer_type, factor_dtype, inv_dtype)
+
+
+def _original_layers(
+    helpers: Mapping[str, ModuleHelper],
+    layer_type: type[KFACBaseLayer],
+    factor_dtype: torch.dtype | None,
+    inv_dtype: torch.dtype | None,
+) -> dict[nn.Module, tuple[str, KFACBaseLayer]]:
+    layers: dict[nn.Module, tuple[str, KFACBaseLayer]] = {}
+    for name, helper in helpers.items():
+        if helper.module in layers:
+            raise ValueError(
+                f'{layers[helper.module][0]!r} is preconditioned as several '
+                f'layers ({name!r} too), which the original form '
+                '{module: (name, layer)} cannot hold; call '
+                'register_modules(model) for {name: helper}'
+            )
+        layer = layer_type(
+            helper, factor_dtype=factor_dtype, inv_dtype=inv_dtype
+        )
+        layers[helper.module] = (name, layer)
+    return layers

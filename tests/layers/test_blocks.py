@@ -426,7 +426,7 @@ def test_block_helper_checks_and_forwards() -> None:
     tile.kfac_approx = 'reduce'
     assert (base.batch_first, base.kfac_approx) == (False, 'reduce')
     assert (tile.batch_first, tile.kfac_approx) == (False, 'reduce')
-    assert tile.in_features == 1 and tile.has_bias
+    assert tile.in_features == 1 and tile.has_bias()
     assert tile.get_grad() is None
     grad = torch.ones(2, 2)
     tile.set_grad(grad, torch.tensor(3.0))  # no gradient yet: zeros around

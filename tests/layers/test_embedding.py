@@ -66,7 +66,7 @@ def one_hot(x: torch.Tensor) -> torch.Tensor:
 
 def test_helper_is_a_linear_from_the_vocabulary_to_the_embedding() -> None:
     helper = EmbeddingModuleHelper(embedding())
-    assert helper.a_diagonal and not helper.has_bias
+    assert helper.a_diagonal and not helper.has_bias()
     assert helper.in_features == VOCAB
     assert helper.a_factor_shape == (VOCAB, VOCAB)
     assert helper.g_factor_shape == (DIM, DIM)

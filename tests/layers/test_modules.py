@@ -270,3 +270,40 @@ def test_conv_factors_in_small_blocks_equal_definition(
     a_ref, g_ref = conv_factors(conv, x, gout)
     assert_rel_close(a, a_ref, label='factors: conv2d A')
     assert_rel_close(g, g_ref, label='factors: conv2d G')
+
+
+@pytest.mark.parametrize('bias', [True, False])
+def test_original_factor_methods_equal_the_definitions(bias: bool) -> None:
+    # get_a_factor / get_g_factor: one batch's A and G, mean loss.
+    torch.manual_seed(2)
+    conv = nn.Conv2d(2, 3, kernel_size=3, padding=1, bias=bias).double()
+    x = torch.randn(4, 2, 5, 5, dtype=F64)
+    gout = torch.randn_like(conv(x))
+    helper = Conv2dModuleHelper(conv)
+    a_ref, g_ref = conv_factors(conv, x, gout)
+    assert_rel_close(helper.get_a_factor(x), a_ref, label='factors: conv A')
+    assert_rel_close(helper.get_g_factor(gout), g_ref, label='factors: conv G')
+    linear = nn.Linear(4, 3, bias=bias)
+    rows, grows = torch.randn(6, 4), torch.randn(6, 3)
+    a_lin, g_lin = linear_factors(rows.double(), grows.double(), bias=bias)
+    helper_lin = LinearModuleHelper(linear)
+    a, g = helper_lin.get_a_factor(rows), helper_lin.get_g_factor(grows)
+    assert a.dtype == g.dtype == torch.float32
+    torch.testing.assert_close(a, a_lin.float())
+    torch.testing.assert_close(g, g_lin.float())
+
+
+def test_original_helper_accessors() -> None:
+    layer = nn.Linear(3, 2)
+    helper = LinearModuleHelper(layer)
+    assert helper.device == layer.weight.device == torch.device('cpu')
+    assert helper.has_symmetric_factors()
+    assert helper.has_bias()
+    assert helper.get_weight_grad() is None
+    assert helper.get_bias_grad() is None
+    layer(torch.randn(5, 3)).sum().backward()
+    assert helper.get_weight_grad() is layer.weight.grad
+    assert helper.get_bias_grad() is layer.bias.grad
+    layer.bias.requires_grad_(False)
+    assert not helper.has_bias()
+    assert helper.get_bias_grad() is None
