@@ -18,6 +18,7 @@ import subprocess
 import time
 from typing import Any
 
+import numpy
 import torch
 from torch import nn
 
@@ -26,7 +27,17 @@ from benchmarks.study.tasks import Batch
 from benchmarks.study.tasks import Task
 from kfac.preconditioner import KFACPreconditioner
 
-OPTIMIZERS = ('sgd', 'adamw', 'muon')
+OPTIMIZERS = ('sgd', 'adamw', 'muon', 'soap', 'kron')
+
+PACKAGED = ('soap', 'kron')
+"""The optimizers taken from `pytorch-optimizer` (a benchmark-only
+dependency, pinned in `requirements-dev.txt`)."""
+
+SCHEDULES = ('cosine',)
+"""The learning-rate schedules a run may take besides a constant rate."""
+
+WARMUP_FRACTION = 0.05
+"""The share of the steps that the `cosine` schedule warms up over."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,16 +51,22 @@ class Config:
     optimizer alone."""
     kfac_kwargs: str = '{}'
     """K-FAC's keyword arguments as sorted JSON (hashable)."""
+    schedule: str | None = None
+    """The learning-rate schedule (one of `SCHEDULES`), None for a
+    constant rate."""
 
     @property
     def label(self) -> str:
-        """`optimizer lr=...` or `optimizer+variant lr=...`."""
+        """`optimizer lr=...` or `optimizer+variant lr=...`, followed by
+        the schedule's name if there is one (`adamw lr=0.001 cosine`).
+        """
         head = (
             self.optimizer
             if self.kfac is None
             else f'{self.optimizer}+{self.kfac}'
         )
-        return f'{head} lr={self.lr:g}'
+        tail = '' if self.schedule is None else f' {self.schedule}'
+        return f'{head} lr={self.lr:g}{tail}'
 
     def settings(self) -> dict[str, Any]:
         """K-FAC's keyword arguments."""
@@ -58,10 +75,16 @@ class Config:
 
 
 def kfac_config(
-    optimizer: str, lr: float, name: str, settings: dict[str, Any]
+    optimizer: str,
+    lr: float,
+    name: str,
+    settings: dict[str, Any],
+    schedule: str | None = None,
 ) -> Config:
     """A K-FAC configuration over `optimizer` at `lr`."""
-    return Config(optimizer, lr, name, json.dumps(settings, sort_keys=True))
+    return Config(
+        optimizer, lr, name, json.dumps(settings, sort_keys=True), schedule
+    )
 
 
 def git_commit() -> str:
@@ -101,9 +124,11 @@ def require_optimizer(name: str) -> None:
 def make_optimizers(
     name: str, model: nn.Module, lr: float, task: Task
 ) -> list[torch.optim.Optimizer]:
-    """SGD (momentum 0.9), AdamW (torch's defaults) or Muon on the task's
+    """SGD (momentum 0.9), AdamW (torch's defaults), Muon on the task's
     2-D hidden weights (`adjust_lr_fn='match_rms_adamw'`, so that it shares
-    AdamW's learning rate) with AdamW on the rest; no schedule.
+    AdamW's learning rate) with AdamW on the rest, or SOAP or PSGD Kron
+    from `pytorch-optimizer` on every parameter, as their authors
+    recommend (`packaged`); no schedule (`schedulers` adds one).
 
     Raises:
         RuntimeError: Muon on a torch without it (`require_optimizer`).
@@ -128,7 +153,100 @@ def make_optimizers(
             ),
             torch.optim.AdamW(rest, lr=lr),
         ]
+    if name in PACKAGED:
+        return [packaged(name, params, lr)]
     raise ValueError(f'optimizer must be one of {OPTIMIZERS}; got {name!r}')
+
+
+def packaged(
+    name: str, params: list[nn.Parameter], lr: float
+) -> torch.optim.Optimizer:
+    """SOAP or PSGD Kron of `pytorch-optimizer` over `params` at `lr`, as
+    their authors recommend.
+
+    SOAP (Vyas et al., 2025; the README of the authors' code): betas
+    (0.95, 0.95), weight decay 0.01, the eigenbases refreshed every 10
+    steps; the rest at the package's defaults, which are the authors'
+    (Shampoo's factors averaged with beta2, no preconditioner over 10,000
+    wide, 1-D parameters left to Adam in their own coordinates, Adam's
+    bias correction, epsilon 1e-8). PSGD Kron (Li; the README of Evan
+    Walters' `kron_torch`, which the package follows): momentum 0.9,
+    the preconditioner updated with probability 1 for 500 steps, then
+    decaying to 0.03 (the package's default schedule, kept as the authors
+    advise), triangular factors up to 8,192 wide, preconditioner step
+    0.1; weight decay as AdamW's (0.01, decoupled; "weight decay acts
+    similarly to adam's"). Neither README asks for a warm-up. The
+    package is imported here, not at the top of the module, so that the
+    other optimizers run without it (`make gpu-study` installs nothing).
+    """
+    import pytorch_optimizer
+
+    if name == 'soap':
+        return pytorch_optimizer.SOAP(
+            params,
+            lr=lr,
+            betas=(0.95, 0.95),
+            weight_decay=0.01,
+            precondition_frequency=10,
+        )
+    return pytorch_optimizer.Kron(
+        params, lr=lr, momentum=0.9, weight_decay=0.01
+    )
+
+
+def warmup_cosine(
+    step: int, steps: int, warmup: float = WARMUP_FRACTION
+) -> float:
+    r"""The learning rate's multiplier at step `step` (0-based) of `steps`.
+
+    Linear warm-up over the first \(w = \max(1, \lceil \text{warmup}
+    \cdot \text{steps} \rceil)\) steps, then cosine decay to zero at the
+    end of the budget:
+
+    \[
+        f(k) = \begin{cases} (k + 1) / w & k < w \\
+        \tfrac12 \left(1 + \cos \frac{\pi (k - w)}{\text{steps} - w}
+        \right) & k \ge w \end{cases}
+    \]
+
+    (so the last step, \(k = \text{steps} - 1\), still moves, and
+    \(f(\text{steps}) = 0\)).
+
+    >>> [round(warmup_cosine(k, 100), 3) for k in (0, 4, 5, 52, 99)]
+    [0.2, 1.0, 1.0, 0.508, 0.0]
+    """
+    width = max(1, math.ceil(warmup * steps))
+    if step < width:
+        return (step + 1) / width
+    return 0.5 * (1.0 + math.cos(math.pi * (step - width) / (steps - width)))
+
+
+def schedulers(
+    schedule: str | None,
+    optimizers: list[torch.optim.Optimizer],
+    steps: int,
+) -> list[torch.optim.lr_scheduler.LRScheduler]:
+    """The schedulers that give `optimizers` the learning-rate `schedule`
+    over `steps` steps (none for a constant rate); K-FAC reads the rate
+    from the optimizers, so its clip follows.
+
+    Raises:
+        ValueError: an unknown schedule.
+    """
+    if schedule is None:
+        return []
+    if schedule not in SCHEDULES:
+        raise ValueError(
+            f'schedule must be one of {SCHEDULES} or None; got {schedule!r}'
+        )
+
+    def factor(k: int) -> float:
+        return warmup_cosine(k, steps)
+
+    return [
+        torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+        for optimizer in optimizers
+    ]
 
 
 def train_step(
@@ -192,11 +310,15 @@ def run(
     alone); a loss that is not finite ends the run (`diverged`). On a GPU
     the model is drawn on the CPU (the same weights as there) and moved;
     each batch is moved before its step's clocks start, and the device is
-    synchronised before they stop.
+    synchronised before they stop. NumPy's global generator is seeded too
+    (PSGD Kron draws from it when to rebalance its factors). A schedule
+    (`config.schedule`) steps after each optimizer step, inside the clocks.
     """
     where = torch.device(device)
     model = task.build(seed).to(where)
+    numpy.random.seed(seed)
     optimizers = make_optimizers(config.optimizer, model, config.lr, task)
+    scheduled = schedulers(config.schedule, optimizers, task.steps)
     precon = None
     if config.kfac is not None:
         precon = KFACPreconditioner(
@@ -215,6 +337,8 @@ def run(
         _sync(where)
         start, start_cpu = time.perf_counter(), time.process_time()
         value = train_step(task, model, optimizers, precon, batch)
+        for scheduler in scheduled:
+            scheduler.step()
         _sync(where)
         seconds += time.perf_counter() - start
         cpu += time.process_time() - start_cpu
@@ -231,6 +355,7 @@ def run(
         'lr': config.lr,
         'kfac': config.kfac,
         'kfac_kwargs': config.settings(),
+        'schedule': config.schedule,
         'seed': seed,
         'device': str(next(model.parameters()).device),
         'steps': step,
