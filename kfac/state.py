@@ -9,13 +9,15 @@ dicts, so `torch.load(path, weights_only=True)` reads it:
 
 ```python
 {
-    'version': 5,
+    'version': 6,
     'steps': int,
     'hyperparameters': {name: value},   # the non-callable ones
     'options': {'position_sample_seed': int},
     'layers': {module name: {'A': tensor, 'G': tensor}},  # (n, n) or (n,)
     # a tied layer: {'<use>:A': ..., '<use>:G': ...} per use instead
     # an EKFAC layer: also 'S', its scaling, shaped like the gradient
+    # an EIGEN_ADAM layer: also 'E' (its second moments, shaped like the
+    # gradient) and 'E_steps' (their update count, 0-d)
     'decompositions': {                 # optional
         module name: {'format': str, 'A': [tensor, ...], 'G': [...]},
     },
@@ -30,7 +32,9 @@ target (see [`kfac.math.fisher`][kfac.math.fisher]), so a resumed run
 samples what the uninterrupted run would have.
 
 Factors, and the running statistics kept beside them (EKFAC's scaling `S`,
-identical on every rank like the factors), are what a run cannot
+identical on every rank like the factors; EIGEN_ADAM's second moments `E`,
+kept on the layer's gradient workers and gathered from them by
+`state_dict()`, which every rank then calls), are what a run cannot
 recompute. A diagonal factor (the `A` of an
 embedding) is saved as its diagonal, shape `(n,)`. Decompositions are saved too
 (for the layers whose decompositions this rank holds) so that a resumed
@@ -54,10 +58,10 @@ import torch
 
 from kfac.math.fisher import FisherState
 
-STATE_VERSION = 5
+STATE_VERSION = 6
 """The format version written by this version of kfac."""
 
-READABLE_VERSIONS = (1, 2, 3, 4, 5)
+READABLE_VERSIONS = (1, 2, 3, 4, 5, 6)
 """The format versions this version of kfac loads. Version 2 adds the
 per-use factors of a weight tied in transposed roles (`'<module>:A'`,
 `'<module>:G'`, see [`kfac.layers.tied`][kfac.layers.tied]); version 3
@@ -73,7 +77,11 @@ Fisher's seed) and `'position_sample_seed'` to `'options'` (see
 keeps the loading preconditioner's seed. Version 5 saves the two clips as
 hyperparameters (`kl_clip`, `relative_clip`) instead of one `kl_clip` read
 by `'options'`' `kl_clip_rule`; an older state is read as version 5 (its
-`kl_clip` under `'relative'` is `relative_clip`)."""
+`kl_clip` under `'relative'` is `relative_clip`). Version 6 adds
+EIGEN_ADAM's second moments `'E'` and their count `'E_steps'` to a layer's
+entries, gathered from its gradient workers into every rank's state (see
+[`kfac.layers.curvature.eigen_adam`][kfac.layers.curvature.eigen_adam]);
+no older state holds an EIGEN_ADAM layer, so one is loaded as it is."""
 
 FACTOR_KEYS = ('A', 'G')
 """The factor entries of a layer."""

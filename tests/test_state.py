@@ -405,7 +405,7 @@ def test_parse_drops_decompositions_that_do_not_fit(
 def test_the_clips_are_saved_and_restored() -> None:
     _, original = trained(kl_clip=0.001)
     state = roundtrip(original.state_dict())
-    assert state['version'] == STATE_VERSION == 5
+    assert state['version'] == STATE_VERSION == 6
     assert state['options'] == {'position_sample_seed': 0}
     assert state['hyperparameters']['kl_clip'] == 0.001
     assert state['hyperparameters']['relative_clip'] is None

@@ -561,8 +561,9 @@ class KFACBaseLayer:
 
     def load_saved_state(self, saved: SavedLayer, keep: bool) -> bool:
         """Restore the running factors of `saved` (a missing one is
-        unset), the curvature's statistics and, if `keep` (a gradient
-        worker), its decompositions.
+        unset), the curvature's statistics (those kept on gradient workers
+        only if `keep`) and, if `keep` (a gradient worker), its
+        decompositions.
 
         Returns:
             Whether `saved` had decompositions; without them they must be
@@ -575,9 +576,10 @@ class KFACBaseLayer:
         if restored is not None and keep:
             for f in FACTOR_NAMES:
                 self.set_decomposition(f, restored.tensors[f])
-        self.curvature.load_statistics(
-            dict(saved.statistics), restored is not None
-        )
+        statistics = dict(saved.statistics)
+        if self.curvature.grad_worker_statistics and not keep:
+            statistics = {}  # kept where the gradient is preconditioned
+        self.curvature.load_statistics(statistics, restored is not None)
         return restored is not None
 
     # Introspection -----------------------------------------------------------

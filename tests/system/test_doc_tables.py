@@ -511,13 +511,24 @@ def test_migration_row_holds_the_old_value(before: str, now: str) -> None:
         )
 
 
+ADDED_SINCE_1CAA768 = ('EigenAdamConfig', 'OneSidedConfig')
+"""Methods added after commit 1caa768: nothing of theirs had a spelling
+there, so the migration table does not name their fields."""
+
+
 def test_migration_table_names_every_field_of_the_groups() -> None:
     named = {
         name
         for _, now in _migration_rows()
         for name in _keywords(f'dict({now})')
     }
-    missing = sorted(_group_fields() - named)
+    older = {
+        name
+        for group, kind in _group_classes().items()
+        if group not in ADDED_SINCE_1CAA768
+        for name in _fields(kind)
+    }
+    missing = sorted(older - named)
     assert not missing, f'the migration table never names {missing}'
 
 
