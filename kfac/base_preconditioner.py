@@ -281,7 +281,8 @@ class BaseKFACPreconditioner:
         Kinds: `a_factors`, `g_factors`, `a_batch`, `g_batch` (captured
         statistics or activations not yet folded in), `a_inverses`,
         `g_inverses` (decompositions held here), `grad`; EKFAC's `scale`
-        and `example_rows`.
+        and `example_rows`; EIGEN_ADAM's `moment` (its second moments and
+        the copy of the bases they are kept in).
         """
         return memory_totals(self._layers.values())
 

@@ -589,7 +589,7 @@ class KFACBaseLayer:
 
         Keys: `a_factors`, `g_factors`, `a_batch`, `g_batch`,
         `a_inverses`, `g_inverses` and `grad`, and the curvature's own
-        (EKFAC: `scale`, `example_rows`).
+        (EKFAC: `scale`, `example_rows`; EIGEN_ADAM: `moment`).
         """
         grad = self.grad
         size = 0 if grad is None else grad.numel() * grad.element_size()

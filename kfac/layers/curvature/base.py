@@ -4,7 +4,8 @@ A [`KFACBaseLayer`][kfac.layers.base.KFACBaseLayer] is composed of a module
 helper (shapes, gradients, hook data), statistics (the running factors `A`
 and `G`) and a *curvature*: the method that turns the factors into a
 decomposition and the decomposition into a preconditioned gradient. The
-curvatures of the library (EIGEN, INVERSE, EKFAC) implement this interface,
+curvatures of the library (EIGEN, INVERSE, EKFAC, EIGEN_ADAM, ONE_SIDED)
+implement this interface,
 and so can one defined outside it:
 
 ```python
