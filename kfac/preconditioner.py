@@ -135,9 +135,9 @@ class KFACPreconditioner(BaseKFACPreconditioner):
             times as long as the raw one, so the step always scales with
             the learning rate; None: no such cap. `'auto'` (the default)
             is 1.0 without `kl_clip` and None with it, so that `kl_clip`
-            alone is the original's clip (None for
-            `compute_method='eigen_adam'`, whose step has Adam's scale);
-            with both set the smaller scale applies (the formulas are in
+            alone is the original's clip (a method's config may
+            choose otherwise: `default_relative_clip`); with both set
+            the smaller scale applies (the formulas are in
             [`kfac.math`][kfac.math]).
         statistics: how `A` and `G` are formed (a
             [`StatisticsConfig`][kfac.config.StatisticsConfig]: how the
@@ -405,9 +405,8 @@ def _check_agreement(
 
 def _relative_clip(kl_clip: object, method: CurvatureConfig) -> float | None:
     """`relative_clip='auto'` resolved: the model-wide method's
-    `default_relative_clip` (1.0 but for EIGEN_ADAM, whose steps have
-    Adam's scale) without a KL clip, None (the original's clip alone) with
-    one.
+    `default_relative_clip` (1.0 for the library's methods) without a KL
+    clip, None (the original's clip alone) with one.
     """
     return method.default_relative_clip if kl_clip is None else None
 

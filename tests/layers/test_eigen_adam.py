@@ -7,6 +7,7 @@ DDP and across checkpoints is in tests/system/test_eigen_adam.py).
 from __future__ import annotations
 
 from typing import Any
+from typing import ClassVar
 
 import pytest
 import torch
@@ -284,19 +285,25 @@ def test_options_are_validated(
         EigenAdamConfig(**options)
 
 
-def test_the_default_clip_is_off_for_this_method_only() -> None:
+class Unclipped(EigenAdamConfig):
+    """A method of one's own whose steps keep their own scale."""
+
+    default_relative_clip: ClassVar[float | None] = None
+
+
+def test_auto_is_the_methods_default_clip() -> None:
     model = nn.Sequential(nn.Linear(3, 2))
     adam = kfac.KFACPreconditioner(model, compute_method='eigen_adam')
-    assert adam.relative_clip is None
+    assert adam.relative_clip == 1.0
     assert 'EigenAdamCurvature' in repr(adam.layers['0'].curvature)
     adam.remove()
+    own = kfac.KFACPreconditioner(model, compute_method=Unclipped())
+    assert own.relative_clip is None
+    own.remove()
     kept = kfac.KFACPreconditioner(
-        model, compute_method='eigen_adam', relative_clip=0.5
+        model, compute_method=Unclipped(), relative_clip=0.5
     )
     assert kept.relative_clip == 0.5
-    kept.remove()
-    one_sided = kfac.KFACPreconditioner(model, compute_method='one_sided')
-    assert one_sided.relative_clip == 1.0
 
 
 def test_the_gradient_source_has_no_monte_carlo_fisher() -> None:

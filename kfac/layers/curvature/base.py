@@ -98,8 +98,8 @@ class CurvatureConfig(abc.ABC):
     default_relative_clip: ClassVar[float | None] = 1.0
     """What `relative_clip='auto'` means for this method (model-wide)
     without a `kl_clip`: 1.0 (the preconditioned gradient at most as long
-    as the raw one), or None for a method whose step has a scale of its
-    own (EIGEN_ADAM's is Adam's)."""
+    as the raw one; every method of the library), or None for a method of
+    your own whose step has a scale of its own."""
 
     @abc.abstractmethod
     def make(self, layer: KFACBaseLayer) -> Curvature:
