@@ -45,18 +45,23 @@ from kfac.enums import BasisRefresh
 from kfac.enums import ComputeMethod
 from kfac.enums import DampingMode
 from kfac.enums import DistributedStrategy
+from kfac.enums import FactorSource
 from kfac.enums import FisherType
 from kfac.enums import KFACApprox
 from kfac.enums import LossAverage
 from kfac.enums import MCLoss
+from kfac.enums import MomentRefresh
 from kfac.enums import ShardMode
+from kfac.enums import Side
 from kfac.hyperparams import ORIGINAL_DEFAULTS
 from kfac.layers.curvature import Curvature
 from kfac.layers.curvature import CurvatureConfig
 from kfac.layers.curvature import Decomposed
+from kfac.layers.curvature import EigenAdamConfig
 from kfac.layers.curvature import EigenConfig
 from kfac.layers.curvature import EKFACConfig
 from kfac.layers.curvature import InverseConfig
+from kfac.layers.curvature import OneSidedConfig
 from kfac.layers.curvature import method_config
 from kfac.optimizer import KFACOptimizer
 from kfac.preconditioner import KFACPreconditioner
@@ -78,7 +83,9 @@ __all__ = [
     'Decomposed',
     'DistributedStrategy',
     'EKFACConfig',
+    'EigenAdamConfig',
     'EigenConfig',
+    'FactorSource',
     'FisherConfig',
     'FisherType',
     'InverseConfig',
@@ -89,9 +96,12 @@ __all__ = [
     'LambdaParamScheduler',
     'LossAverage',
     'MCLoss',
+    'MomentRefresh',
+    'OneSidedConfig',
     'PhaseTimer',
     'ShardMode',
     'ShardingConfig',
+    'Side',
     'StatisticsConfig',
     '__version__',
     'assignment',

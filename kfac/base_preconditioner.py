@@ -26,12 +26,16 @@ from kfac._engine.capture import GradScalerLike
 from kfac._engine.capture import check_grad_scaler
 from kfac._engine.curvature_updates import CurvatureUpdates
 from kfac._engine.decompositions import decompose
+from kfac._engine.distributor import Replicated
 from kfac._engine.distributor import make_distributor
 from kfac._engine.factors import FactorUpdates
+from kfac._engine.gradient_factors import GradientFactors
+from kfac._engine.gradient_factors import split_by_source
 from kfac._engine.preconditioning import precondition
 from kfac.assignment import WorkAssignment
 from kfac.config import EngineOptions
 from kfac.distributed import TorchDistributedCommunicator
+from kfac.distributed._statistics import gather_worker_statistics
 from kfac.hyperparams import Hyperparameters
 from kfac.hyperparams import HyperparameterValues
 from kfac.hyperparams import OptimizerLR
@@ -129,13 +133,22 @@ class BaseKFACPreconditioner:
             self.communicator,
             self._phase,
         )
+        hooked, own = split_by_source(self._layers)
+        if own and not isinstance(self._distributor, Replicated):
+            raise ValueError(
+                "source='gradient' needs the whole averaged gradient on "
+                'every rank, which a model sharded with FSDP2 does not '
+                f"have (layers {sorted(own)}); use source='kfac'",
+            )
+        self._gradient_factors = GradientFactors(own, self._phase)
+        self._removed = False
         self._decomposed: set[str] = set()
         self._faults = Faults(logger)
         self.counters = self._faults.counters
         """Preconditioner-wide fault counters (see `metrics`)."""
         self._log_once = self._faults.once
         self._factors = FactorUpdates(
-            self._layers,
+            hooked,
             self.communicator,
             bucketed=self.options.bucketed,
             phase=self._phase,
@@ -159,7 +172,7 @@ class BaseKFACPreconditioner:
         """Set a [`PhaseTimer`][kfac.tracing.PhaseTimer] to time the
         step's phases."""
         self._capture = Capture(
-            self._layers,
+            hooked,
             active=lambda: self._steps % self.factor_update_steps == 0,
             grad_scaler=grad_scaler,
             accumulation_steps=self.options.accumulation_steps,
@@ -169,7 +182,7 @@ class BaseKFACPreconditioner:
             ),
             phase=self._phase,
             log_once=self._log_once,
-            aliases=aliases,
+            aliases={n: a for n, a in (aliases or {}).items() if n in hooked},
         )
 
     def __repr__(self) -> str:
@@ -286,14 +299,18 @@ class BaseKFACPreconditioner:
         Kinds: `a_factors`, `g_factors`, `a_batch`, `g_batch` (captured
         statistics or activations not yet folded in), `a_inverses`,
         `g_inverses` (decompositions held here), `grad`; EKFAC's `scale`
-        and `example_rows`.
+        and `example_rows`; EIGEN_ADAM's `moment` (its second moments and
+        the copy of the bases they are kept in).
         """
         return memory_totals(self._layers.values())
 
     def state_dict(self, include_decompositions: bool = True) -> StateDict:
         """The preconditioner's state (format: [`kfac.state`][kfac.state])."""
         check_bool('include_decompositions', include_decompositions)
-        return save_layers(
+        gathered = gather_worker_statistics(
+            self.communicator, self.assignment, self._layers
+        )
+        state = save_layers(
             self._steps,
             self.hyperparameters.constants(),
             self._layers,
@@ -311,6 +328,11 @@ class BaseKFACPreconditioner:
                 },
             ),
         )
+        for name, statistics in gathered.items():
+            entry = state['layers'].setdefault(name, {})
+            for key, tensor in statistics.items():
+                entry[key] = tensor.detach().clone()
+        return state
 
     def load_state_dict(
         self, state_dict: Mapping[str, Any], strict: bool = True
@@ -366,7 +388,7 @@ class BaseKFACPreconditioner:
         accumulating) and before `optimizer.step()`. Every rank must call
         it.
         """
-        if not self._capture.attached:
+        if self._removed:
             raise RuntimeError('this preconditioner was removed')
         if not self._capture.take_fresh():
             self._log_once(
@@ -379,6 +401,7 @@ class BaseKFACPreconditioner:
             )
             return
         self._capture.follow_modules()
+        self._gradient_factors.follow_modules()
         self._values = None  # read the optimizer's learning rate now
         values = self.hyperparameter_values()
         factors = self._steps % values.factor_update_steps == 0
@@ -406,6 +429,7 @@ class BaseKFACPreconditioner:
         """Fold the captured statistics in; allreduce the factors."""
         self._capture.flush()
         self._factors.update(self.factor_decay, self._steps)
+        self._gradient_factors.update(self.factor_decay)
         self._capture.reset()
 
     def _update_decompositions(
@@ -442,4 +466,5 @@ class BaseKFACPreconditioner:
     def remove(self) -> None:
         """Remove every hook and drop captured data; `step()` then raises."""
         self._capture.remove()
+        self._removed = True
         self.reset_batch()

@@ -44,8 +44,10 @@ from kfac.layers.attention import convert_attention
 from kfac.layers.base import KFACBaseLayer
 from kfac.layers.curvature.base import CurvatureConfig
 from kfac.layers.curvature.eigen import EigenConfig
+from kfac.layers.curvature.eigen_adam import EigenAdamConfig
 from kfac.layers.curvature.ekfac import EKFACConfig
 from kfac.layers.curvature.inverse import InverseConfig
+from kfac.layers.curvature.one_sided import OneSidedConfig
 from kfac.layers.factory import make_layer
 from kfac.layers.helper import ModuleHelper
 from kfac.layers.options import DEFAULT_MAX_FACTOR_DIM
@@ -348,6 +350,12 @@ class KFACConfig:
                 "compute_method='ekfac' (its per-example scaling needs one "
                 'gradient per example); use mc_samples=1',
             )
+        if self.fisher.fisher_type == 'mc' and _source(method) == 'gradient':
+            raise ValueError(
+                f"fisher_type='mc' beside compute_method={method!r}: the "
+                "gradient's own factors (source='gradient') use no output "
+                "gradients; sample the Fisher with source='kfac'",
+            )
 
     def _checked(self) -> dict[str, object]:
         """Every field, validated and normalised."""
@@ -453,6 +461,10 @@ class KFACConfig:
             return EigenConfig(prediv_eigenvalues=prediv)
         if method is ComputeMethod.EKFAC:
             return EKFACConfig(prediv_eigenvalues=prediv)
+        if method is ComputeMethod.EIGEN_ADAM:
+            return EigenAdamConfig()
+        if method is ComputeMethod.ONE_SIDED:
+            return OneSidedConfig()
         return InverseConfig()
 
     def method(self, options: ModuleOptions) -> CurvatureConfig:
@@ -478,6 +490,11 @@ class KFACConfig:
         )
 
 
+def _source(method: CurvatureConfig) -> object:
+    """The method's factor source (`source`), None without one."""
+    return getattr(method, 'source', None)
+
+
 def _parse_method(method: object) -> ComputeMethod | CurvatureConfig:
     """`compute_method` as a [`ComputeMethod`][kfac.enums.ComputeMethod]
     (from a name) or the
@@ -488,7 +505,8 @@ def _parse_method(method: object) -> ComputeMethod | CurvatureConfig:
     if not isinstance(method, str):
         raise TypeError(
             'compute_method must be a ComputeMethod, one of the strings '
-            "'eigen', 'inverse', 'ekfac', or a CurvatureConfig (such as "
+            "'eigen', 'inverse', 'ekfac', 'eigen_adam', 'one_sided', or a "
+            'CurvatureConfig (such as '
             f'kfac.EigenConfig(...)); got {method!r} of type '
             f'{type(method).__name__}',
         )

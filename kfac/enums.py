@@ -59,12 +59,17 @@ class ComputeMethod(_ChoiceEnum):
 
     `EIGEN`: eigendecompositions of the factors, exact damping; `INVERSE`:
     damped inverses of the factors; `EKFAC`: EIGEN's eigenbases with the
-    scaling re-estimated from each example's gradient (George et al., 2018).
+    scaling re-estimated from each example's gradient (George et al., 2018);
+    `EIGEN_ADAM`: Adam's second moments kept in the factors' eigenbases
+    (as SOAP keeps them in Shampoo's); `ONE_SIDED`: one factor's damped
+    inverse only (the input factor's for Muon, as Newton-Muon).
     """
 
     EIGEN = 'eigen'
     INVERSE = 'inverse'
     EKFAC = 'ekfac'
+    EIGEN_ADAM = 'eigen_adam'
+    ONE_SIDED = 'one_sided'
 
 
 class DistributedStrategy(_ChoiceEnum):
@@ -99,6 +104,17 @@ class DampingMode(_ChoiceEnum):
 
     ABSOLUTE = 'absolute'
     RELATIVE = 'relative'
+
+
+class FactorSource(_ChoiceEnum):
+    """Where a method's factors come from: `KFAC` (`A` and `G` from the
+    layer's inputs and output gradients, captured by hooks) or `GRADIENT`
+    (the gradient's own, `G = E[V Vᵀ]` and `A = E[Vᵀ V]` as Shampoo's and
+    SOAP's, from the averaged gradient: no hooks, no factor allreduce).
+    """
+
+    KFAC = 'kfac'
+    GRADIENT = 'gradient'
 
 
 class FisherType(_ChoiceEnum):
@@ -138,6 +154,25 @@ class MCLoss(_ChoiceEnum):
 
     CROSS_ENTROPY = 'cross_entropy'
     MSE = 'mse'
+
+
+class MomentRefresh(_ChoiceEnum):
+    """What EIGEN_ADAM does with its second moments `E` when the bases are
+    refreshed: `CARRY` (rotate them into the new bases) or `RESTART` (start
+    them afresh).
+    """
+
+    CARRY = 'carry'
+    RESTART = 'restart'
+
+
+class Side(_ChoiceEnum):
+    """Which factor ONE_SIDED preconditions with: `INPUT` (`A`, on the
+    right: `V (A + λ_A I)⁻¹`) or `OUTPUT` (`G`, on the left).
+    """
+
+    INPUT = 'input'
+    OUTPUT = 'output'
 
 
 class ShardMode(_ChoiceEnum):

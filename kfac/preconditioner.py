@@ -142,7 +142,7 @@ class KFACPreconditioner(BaseKFACPreconditioner):
             factor_decay=factor_decay,
             kl_clip=kl_clip,
             lr=0.1 if lr is None else lr,
-            relative_clip=_relative_clip(relative_clip, kl_clip),
+            relative_clip=None if relative_clip == 'auto' else relative_clip,
         )
         optimizers = None if optimizer is None else check_optimizers(optimizer)
         if optimizers is not None and lr is not None:
@@ -172,6 +172,10 @@ class KFACPreconditioner(BaseKFACPreconditioner):
             'sharding': sharding,
         }
         config = _config(config, given)
+        if relative_clip == 'auto':
+            hyperparameters = hyperparameters.replace(
+                relative_clip=_relative_clip(kl_clip, config.curvature())
+            )
         check_model(unwrap(model))
         self.config = config
         self.model = model
@@ -416,15 +420,12 @@ def _check_agreement(
         raise ValueError(message)
 
 
-def _relative_clip(
-    relative_clip: object, kl_clip: object
-) -> float | Callable[[int], float | None] | None:
-    """`relative_clip` with `'auto'` resolved: 1.0 without a KL clip, None
-    (the original's clip alone) with one.
+def _relative_clip(kl_clip: object, method: CurvatureConfig) -> float | None:
+    """`relative_clip='auto'` resolved: the model-wide method's
+    `default_relative_clip` (1.0 for the library's methods) without a KL
+    clip, None (the original's clip alone) with one.
     """
-    if relative_clip == 'auto':
-        return 1.0 if kl_clip is None else None
-    return relative_clip  # type: ignore[return-value]  # checked by Hyperparameters
+    return method.default_relative_clip if kl_clip is None else None
 
 
 def _config(config: object, given: dict[str, Any]) -> KFACConfig:

@@ -16,6 +16,8 @@ dicts, so `torch.load(path, weights_only=True)` reads it:
     'layers': {module name: {'A': tensor, 'G': tensor}},  # (n, n) or (n,)
     # a tied layer: {'<use>:A': ..., '<use>:G': ...} per use instead
     # an EKFAC layer: also 'S', its scaling, shaped like the gradient
+    # an EIGEN_ADAM layer: also 'E' (its second moments, shaped like the
+    # gradient) and 'E_steps' (their update count, 0-d)
     'decompositions': {                 # optional
         module name: {'format': str, 'A': [tensor, ...], 'G': [...]},
     },
@@ -42,7 +44,9 @@ target (see [`kfac.math.fisher`][kfac.math.fisher]), so a resumed run
 samples what the uninterrupted run would have.
 
 Factors, and the running statistics kept beside them (EKFAC's scaling `S`,
-identical on every rank like the factors), are what a run cannot
+identical on every rank like the factors; EIGEN_ADAM's second moments `E`,
+kept on the layer's gradient workers and gathered from them by
+`state_dict()`, which every rank then calls), are what a run cannot
 recompute. A diagonal factor (the `A` of an
 embedding) is saved as its diagonal, shape `(n,)`. Decompositions are saved too
 (for the layers whose decompositions this rank holds) so that a resumed
@@ -86,7 +90,13 @@ keeps the loading preconditioner's seed. Version 5 saves the two clips as
 hyperparameters (`kl_clip`, `relative_clip`) instead of one `kl_clip` read
 by `'options'`' `kl_clip_rule`; an older state is read as version 5 (its
 `kl_clip` under `'relative'` is `relative_clip`). Version 6 adds
-`'faults'`; an older state loads with no faults counted."""
+`'faults'` (the consecutive failures of each factor's decomposition and
+the non-finite statistics in a row; an older state loads with no faults
+counted) and EIGEN_ADAM's second moments `'E'` and their count
+`'E_steps'` to a layer's entries, gathered from its gradient workers into
+every rank's state (see
+[`kfac.layers.curvature.eigen_adam`][kfac.layers.curvature.eigen_adam]);
+no older state holds an EIGEN_ADAM layer, so one is loaded as it is."""
 
 FACTOR_KEYS = ('A', 'G')
 """The factor entries of a layer."""

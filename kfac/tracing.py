@@ -48,6 +48,7 @@ PHASES = (
     'factor_capture',
     'running_average',
     'factor_allreduce',
+    'gradient_factors',
     'decomposition',
     'decomposition_broadcast',
     'scale_estimate',
@@ -61,7 +62,8 @@ PHASES = (
     'kl_clip_allreduce',
     'write_back',
 )
-"""Phases of one step, in order (`scale_*` only with EKFAC layers;
+"""Phases of one step, in order (`gradient_factors` only with layers whose
+factors are the gradient's own; `scale_*` only with EKFAC layers;
 `grad_gather`, `grad_scatter` and `kl_clip_allreduce` only with sharded
 parameters)."""
 

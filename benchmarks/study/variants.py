@@ -70,6 +70,31 @@ VARIANTS: dict[str, dict[str, Any]] = {
     # AdamW trains), or on the six between them only (Muon's)
     'outeronly': {'skip_layers': [r'^(3|5|7|9|11|13)$']},
     'inneronly': {'skip_layers': [r'^(1|15)$']},
+    # Adam's second moments in the eigenbases of the gradient's own factors
+    # (K-FAC's for the GPT's tied embedding and head, which the gradient's
+    # own cannot serve), factors every step and bases every 10, no clip:
+    # over SGD at Adam-scale learning rates
+    **{
+        f'eigen_adam{suffix}': {
+            'compute_method': 'eigen_adam',
+            'source': 'gradient',
+            'factor_update_steps': 1,
+            'inv_update_steps': 10,
+            'relative_clip': None,
+            'module_options': {'embed|head': {'source': 'kfac'}},
+            **change,
+        }
+        for suffix, change in (
+            ('', {}),
+            ('-restart', {'on_refresh': 'restart'}),
+            ('-clip', {'relative_clip': 1.0}),
+            ('-bases20', {'inv_update_steps': 20}),
+            ('-kfac', {'source': 'kfac', 'module_options': {}}),
+        )
+    },
+    # the input factor's damped inverse alone, for Muon (Newton-Muon's
+    # relative damping)
+    'one_sided': {'compute_method': 'one_sided', 'damping': 0.01},
 }
 """K-FAC variants: each changes one thing of `BASE_KFAC` (`ekfac-qr`
 two)."""
@@ -116,7 +141,14 @@ def settings(name: str) -> dict[str, Any]:
     raise ValueError(f'K-FAC variant must be one of {NAMES}; got {name!r}')
 
 
-_METHOD = ('basis_refresh', 'damping_mode', 'factor_rank')
+_METHOD = (
+    'basis_refresh',
+    'damping_mode',
+    'factor_rank',
+    'source',
+    'on_refresh',
+    'side',
+)
 _GROUPS: dict[str, tuple[type[Any], tuple[str, ...]]] = {
     'statistics': (
         StatisticsConfig,
@@ -129,24 +161,24 @@ _GROUPS: dict[str, tuple[type[Any], tuple[str, ...]]] = {
 def keywords(described: dict[str, Any]) -> dict[str, Any]:
     """The `KFACPreconditioner` keywords of a configuration as `settings`
     describes it (flat, as the results record it): the method's options
-    into its config (`method_config`), a module's `factor_rank: None` into
-    that module's method without the rank, the other options into their
-    groups.
+    into its config (`method_config`), a module's method options (say
+    `factor_rank: None`, the method without the rank) into that module's
+    method, the other options into their groups.
     """
     options = dict(described)
     method = {k: options.pop(k) for k in _METHOD if k in options}
     name = options.pop('compute_method', None)
     if method or name is not None:
         options['compute_method'] = method_config(name or 'inverse', **method)
-    whole = {k: v for k, v in method.items() if k != 'factor_rank'}
     overrides = options.pop('module_options', None)
-    if overrides is not None:
+    if overrides:
         options['module_options'] = {
             pattern: {
-                'compute_method': method_config(name or 'inverse', **whole)
+                'compute_method': method_config(
+                    name or 'inverse', **{**method, **per_module}
+                )
             }
             for pattern, per_module in overrides.items()
-            if per_module == {'factor_rank': None}
         }
     for group, (kind, keys) in _GROUPS.items():
         given = {k: options.pop(k) for k in keys if k in options}

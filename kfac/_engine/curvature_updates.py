@@ -6,8 +6,9 @@ from its own examples (EKFAC's scaling `S`; see
 On a factor-update step, after that step's decompositions (so in the bases
 in force from now on), every rank forms its batch statistics, the batches
 are averaged over all ranks (bucketed like the factors), and every rank
-folds the average into its layers' curvatures. A decomposition refresh
-restarts them.
+folds the average into its layers' curvatures. Every curvature is told
+of a decomposition refresh (`restart`): EKFAC restarts its statistics,
+EIGEN_ADAM carries its second moments into the new bases.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ class CurvatureUpdates:
 
     Args:
         layers: the registered layers (those whose curvature reduces no
-            statistics are ignored).
+            statistics are only told of refreshes).
         assignment: who preconditions each layer.
         communicator: the collectives.
         bucketed: allreduce in buckets.
@@ -46,6 +47,8 @@ class CurvatureUpdates:
         bucketed: bool,
         phase: Phase,
     ) -> None:
+        self.refreshed = dict(layers)
+        """Every layer: each is told of its refreshes (`restart`)."""
         self.layers = {
             name: layer
             for name, layer in layers.items()
@@ -57,11 +60,13 @@ class CurvatureUpdates:
         self.phase = phase
 
     def restart(self, names: Iterable[str]) -> None:
-        """Tell the curvatures of `names` (decomposed now) of the refresh."""
+        """Tell the curvatures of `names` (decomposed now) of the refresh
+        (EKFAC restarts `S`, EIGEN_ADAM carries its second moments into
+        the new bases). Every rank calls it after the step's
+        decompositions.
+        """
         for name in names:
-            layer = self.layers.get(name)
-            if layer is not None:
-                layer.curvature.restart()
+            self.refreshed[name].curvature.restart()
 
     def update(self, decay: float, damping: float) -> None:
         """Estimate, average and fold in the batch statistics of every

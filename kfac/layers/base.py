@@ -699,8 +699,9 @@ class KFACBaseLayer:
 
     def load_saved_state(self, saved: SavedLayer, keep: bool) -> bool:
         """Restore the running factors of `saved` (a missing one is
-        unset), the curvature's statistics and, if `keep` (a gradient
-        worker), its decompositions.
+        unset), the curvature's statistics (those kept on gradient workers
+        only if `keep`) and, if `keep` (a gradient worker), its
+        decompositions.
 
         Returns:
             Whether `saved` had decompositions; without them they must be
@@ -713,9 +714,10 @@ class KFACBaseLayer:
         if restored is not None and keep:
             for f in FACTOR_NAMES:
                 self.set_decomposition(f, restored.tensors[f])
-        self.curvature.load_statistics(
-            dict(saved.statistics), restored is not None
-        )
+        statistics = dict(saved.statistics)
+        if self.curvature.grad_worker_statistics and not keep:
+            statistics = {}  # kept where the gradient is preconditioned
+        self.curvature.load_statistics(statistics, restored is not None)
         return restored is not None
 
     # Introspection -----------------------------------------------------------
@@ -725,7 +727,7 @@ class KFACBaseLayer:
 
         Keys: `a_factors`, `g_factors`, `a_batch`, `g_batch`,
         `a_inverses`, `g_inverses` and `grad`, and the curvature's own
-        (EKFAC: `scale`, `example_rows`).
+        (EKFAC: `scale`, `example_rows`; EIGEN_ADAM: `moment`).
         """
         grad = self.grad
         size = 0 if grad is None else grad.numel() * grad.element_size()

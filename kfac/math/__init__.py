@@ -87,6 +87,10 @@ Damping `λ`:
   `V' = Q_G [(Q_Gᵀ V Q_A) / (S + λ)] Q_Aᵀ`
   (see [`kfac.math.ekfac`][kfac.math.ekfac], which also refreshes
   eigenbases from a warm start).
+* EIGEN_ADAM keeps the eigenbases and divides by the root of Adam's
+  second moments kept in them, `ε` its own (no `λ`); ONE_SIDED applies
+  one factor's inverse damped by `λ` times its mean eigenvalue (see
+  [`kfac.math.eigenbasis`][kfac.math.eigenbasis]).
 
 With `damping_mode='relative'` the `λ` above is `λ · m(A) m(G)`, the
 mean eigenvalues `m(F) = tr F / dim F` (see

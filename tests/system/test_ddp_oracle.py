@@ -105,6 +105,23 @@ def configurations(world_size: int) -> list[dict[str, Any]]:
         configs.append(ekfac_configuration(strategy))
     warm = {**ekfac_configuration('mem_opt'), 'basis_refresh': 'qr'}
     configs.append({**warm, 'compute_method': 'eigen'})
+    # EIGEN_ADAM (its second moments on the gradient workers) and ONE_SIDED
+    # (the input factor alone), K-FAC's factors.
+    for strategy, method in (
+        ('comm_opt', 'eigen_adam'),
+        ('mem_opt', 'eigen_adam'),
+        ('mem_opt', 'one_sided'),
+    ):
+        configs.append(
+            {
+                'grad_worker_fraction': strategy,
+                'compute_method': method,
+                'inv_update_steps': 2,
+                'damping': 0.01,
+                'kl_clip': 0.01,
+                'lr': 0.1,
+            },
+        )
     # The Monte Carlo Fisher: targets sampled by global example index, so
     # the ranks' samples are the single process's; and across a checkpoint
     # loaded into a fresh preconditioner (another seed given, the saved one
@@ -206,12 +223,12 @@ def train(
     if device_type == 'cuda':
         device = torch.device('cuda', part[0])
     torch.manual_seed(1234)
-    # EKFAC and warm-started bases depend on the eigenvectors chosen inside
-    # a repeated eigenvalue (the null space of TinyCNN's 49-wide head input
-    # factor, of rank 36 after three steps), which follow rounding: one
-    # process and W ranks would choose differently. PooledCNN's factors
-    # have full rank.
-    special = config.get('compute_method') == 'ekfac' or (
+    # EKFAC, EIGEN_ADAM and warm-started bases depend on the eigenvectors
+    # chosen inside a repeated eigenvalue (the null space of TinyCNN's
+    # 49-wide head input factor, of rank 36 after three steps), which
+    # follow rounding: one process and W ranks would choose differently.
+    # PooledCNN's factors have full rank.
+    special = config.get('compute_method') in ('ekfac', 'eigen_adam') or (
         'basis_refresh' in config or 'factor_rank' in config
     )
     model = (PooledCNN() if special else TinyCNN()).to(device, torch.float64)

@@ -513,6 +513,9 @@ def test_migration_row_holds_the_old_value(before: str, now: str) -> None:
 
 NEW_SINCE_1CAA768 = {'max_decomposition_failures', 'max_nonfinite_statistics'}
 """Group fields that did not exist at `1caa768`: nothing to migrate."""
+ADDED_SINCE_1CAA768 = ('EigenAdamConfig', 'OneSidedConfig')
+"""Methods added after commit 1caa768: nothing of theirs had a spelling
+there, so the migration table does not name their fields."""
 
 
 def test_migration_table_names_every_field_of_the_groups() -> None:
@@ -522,7 +525,13 @@ def test_migration_table_names_every_field_of_the_groups() -> None:
         for name in _keywords(f'dict({now})')
     }
     assert _group_fields() >= NEW_SINCE_1CAA768
-    missing = sorted(_group_fields() - named - NEW_SINCE_1CAA768)
+    older = {
+        name
+        for group, kind in _group_classes().items()
+        if group not in ADDED_SINCE_1CAA768
+        for name in _fields(kind)
+    }
+    missing = sorted(older - named - NEW_SINCE_1CAA768)
     assert not missing, f'the migration table never names {missing}'
 
 

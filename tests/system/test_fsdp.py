@@ -30,6 +30,7 @@ from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
 from kfac.config import ShardingConfig
+from kfac.layers.curvature import EigenAdamConfig
 from kfac.layers.curvature import EKFACConfig
 from kfac.preconditioner import KFACPreconditioner
 from testing import fsdp
@@ -63,6 +64,10 @@ CONFIGS: dict[str, dict[str, Any]] = {
         'compute_method': EKFACConfig(basis_refresh='qr'),
     },
     'comm_opt-ekfac': {'compute_method': 'ekfac'},
+    'mem_opt-eigen_adam': {
+        'grad_worker_fraction': 'mem_opt',
+        'compute_method': EigenAdamConfig(beta2=0.9, eps=1e-6),
+    },
 }
 
 # (label, config, mesh shape or None for 1-D, fully_shard keywords)
@@ -75,6 +80,7 @@ BASIC: list[Case] = [
         'mem_opt-eigen',
         'mem_opt-inverse',
         'mem_opt-ekfac',
+        'mem_opt-eigen_adam',
     )
 ]
 EXTRA: list[Case] = [
@@ -359,6 +365,14 @@ def _errors(out_dir: str) -> None:
     with pytest.raises(ValueError) as groups:
         KFACPreconditioner(split, sharding=ShardingConfig(shard_mode='local'))
     messages['groups'] = str(groups.value)
+    # The gradient's own factors need the whole gradient on every rank.
+    plain = nn.Sequential(nn.Linear(4, 6), nn.Linear(6, 2))
+    fully_shard(plain)
+    with pytest.raises(ValueError) as own:
+        KFACPreconditioner(
+            plain, compute_method=EigenAdamConfig(source='gradient')
+        )
+    messages['gradient_source'] = str(own.value)
     _nonfinite_gradient()
     if dist.get_rank() == 0:
         (pathlib.Path(out_dir) / 'errors.json').write_text(
@@ -380,6 +394,8 @@ def test_unsupported_sharding_raises_at_construction(
     assert 'Shard(dim=1)' in messages['columns']
     assert 'replaced' in messages['late'] and 'embed' in messages['late']
     assert 'same process group' in messages['groups']
+    assert "source='gradient'" in messages['gradient_source']
+    assert 'FSDP2' in messages['gradient_source']
 
 
 class _TiedLM(nn.Module):

@@ -3,8 +3,11 @@
 The interface is [`kfac.layers.curvature.base`][kfac.layers.curvature.base];
 the library's methods are EIGEN
 ([`EigenConfig`][kfac.layers.curvature.eigen.EigenConfig]), INVERSE
-([`InverseConfig`][kfac.layers.curvature.inverse.InverseConfig]) and EKFAC
-([`EKFACConfig`][kfac.layers.curvature.ekfac.EKFACConfig]).
+([`InverseConfig`][kfac.layers.curvature.inverse.InverseConfig]), EKFAC
+([`EKFACConfig`][kfac.layers.curvature.ekfac.EKFACConfig]), EIGEN_ADAM
+([`EigenAdamConfig`][kfac.layers.curvature.eigen_adam.EigenAdamConfig])
+and ONE_SIDED
+([`OneSidedConfig`][kfac.layers.curvature.one_sided.OneSidedConfig]).
 """
 
 from __future__ import annotations
@@ -19,10 +22,14 @@ from kfac.layers.curvature.base import Decomposed
 from kfac.layers.curvature.base import Layout
 from kfac.layers.curvature.eigen import EigenConfig
 from kfac.layers.curvature.eigen import EigenCurvature
+from kfac.layers.curvature.eigen_adam import EigenAdamConfig
+from kfac.layers.curvature.eigen_adam import EigenAdamCurvature
 from kfac.layers.curvature.ekfac import EKFACConfig
 from kfac.layers.curvature.ekfac import EKFACCurvature
 from kfac.layers.curvature.inverse import InverseConfig
 from kfac.layers.curvature.inverse import InverseCurvature
+from kfac.layers.curvature.one_sided import OneSidedConfig
+from kfac.layers.curvature.one_sided import OneSidedCurvature
 
 __all__ = [
     'Curvature',
@@ -30,11 +37,15 @@ __all__ = [
     'Decomposed',
     'EKFACConfig',
     'EKFACCurvature',
+    'EigenAdamConfig',
+    'EigenAdamCurvature',
     'EigenConfig',
     'EigenCurvature',
     'InverseConfig',
     'InverseCurvature',
     'Layout',
+    'OneSidedConfig',
+    'OneSidedCurvature',
     'method_config',
 ]
 
@@ -59,6 +70,8 @@ def method_config(
         ComputeMethod.EIGEN: EigenConfig,
         ComputeMethod.INVERSE: InverseConfig,
         ComputeMethod.EKFAC: EKFACConfig,
+        ComputeMethod.EIGEN_ADAM: EigenAdamConfig,
+        ComputeMethod.ONE_SIDED: OneSidedConfig,
     }
     kind = kinds[parse_enum(ComputeMethod, method, 'compute_method')]
     given = {k: v for k, v in options.items() if v is not None}

@@ -4,7 +4,8 @@ A [`KFACBaseLayer`][kfac.layers.base.KFACBaseLayer] is composed of a module
 helper (shapes, gradients, hook data), statistics (the running factors `A`
 and `G`) and a *curvature*: the method that turns the factors into a
 decomposition and the decomposition into a preconditioned gradient. The
-curvatures of the library (EIGEN, INVERSE, EKFAC) implement this interface,
+curvatures of the library (EIGEN, INVERSE, EKFAC, EIGEN_ADAM, ONE_SIDED)
+implement this interface,
 and so can one defined outside it:
 
 ```python
@@ -36,6 +37,13 @@ only through this interface and never asks which one it is:
   `batch_statistics` on factor-update steps (after that step's
   decompositions), and the engine averages them over the ranks and hands
   them to `update_statistics`; `restart` follows a basis refresh;
+* a curvature whose factors are the gradient's own sets
+  `gradient_factors`: the engine registers no hooks for its layer and
+  allreduces none of its factors, but calls `update_gradient_factors` on
+  every rank with the averaged gradient on factor-update steps;
+* a curvature that keeps statistics where the gradient is preconditioned
+  (EIGEN_ADAM's second moments) sets `grad_worker_statistics`:
+  `state_dict()` gathers them from a gradient worker;
 * state: `statistic_shapes`, `saved_statistics`, `load_statistics`;
   memory: `memory_usage`; placement cost: `cost`.
 
@@ -53,6 +61,7 @@ from typing import NamedTuple
 import torch
 
 from kfac.enums import AssignmentStrategy
+from kfac.math import compute_dtype
 
 if TYPE_CHECKING:  # the layer holds its curvature and the curvature its layer
     from kfac.layers.base import KFACBaseLayer
@@ -85,6 +94,12 @@ class CurvatureConfig(abc.ABC):
 
     name: ClassVar[str]
     """The method's name (logged, and shown by `describe()`)."""
+
+    default_relative_clip: ClassVar[float | None] = 1.0
+    """What `relative_clip='auto'` means for this method (model-wide)
+    without a `kl_clip`: 1.0 (the preconditioned gradient at most as long
+    as the raw one; every method of the library), or None for a method of
+    your own whose step has a scale of its own."""
 
     @abc.abstractmethod
     def make(self, layer: KFACBaseLayer) -> Curvature:
@@ -123,6 +138,19 @@ class Curvature(abc.ABC):
     """Whether the layer must keep each call's input and output gradient
     until the step's decompositions are done (statistics of each example,
     as EKFAC's scaling)."""
+
+    grad_worker_statistics: ClassVar[bool] = False
+    """Whether the saved statistics live only where the layer's gradient
+    is preconditioned (its gradient workers), as EIGEN_ADAM's second
+    moments: `state_dict()` broadcasts them from a gradient worker to the
+    ranks that receive its gradient (every rank then calls it), and a
+    rank that is no gradient worker drops them on load."""
+
+    gradient_factors: bool = False
+    """Whether the layer's factors are the gradient's own (`G = E[V Vᵀ]`,
+    `A = E[Vᵀ V]`): the engine then registers no hooks for the layer,
+    allreduces none of its factors, and calls `update_gradient_factors`
+    with the averaged gradient on every rank on factor-update steps."""
 
     def __init__(self, layer: KFACBaseLayer) -> None:
         self.layer = layer
@@ -206,8 +234,39 @@ class Curvature(abc.ABC):
         factors' `ξ`; `preconditions`: this rank preconditions the layer).
         """
 
+    def update_gradient_factors(
+        self, grad: torch.Tensor, decay: float
+    ) -> None:
+        """Fold the gradient's own factors `V Vᵀ` (as `G`) and `Vᵀ V` (as
+        `A`) into the running factors: the first update sets them, later
+        ones `F ← ξ F + (1 - ξ) F_batch`. A non-finite `V` leaves them as
+        they were (zero before the first finite one), without a host
+        synchronisation.
+
+        Args:
+            grad: `V`, `(out, in[+1])`, the same on every rank (after the
+                data-parallel reduction).
+            decay: `ξ` (`factor_decay`).
+        """
+        layer = self.layer
+        v = grad.to(compute_dtype(grad.dtype, layer.factor_dtype))
+        finite = torch.isfinite(v).all()
+        v = torch.where(finite, v, torch.zeros_like(v))
+        for name, batch in (('A', v.T @ v), ('G', v @ v.T)):
+            old = layer.factor(name).value
+            if old is None:
+                layer.set_factor(name, batch)
+                continue
+            new = batch.mul_(1.0 - decay).add_(
+                old.to(batch.dtype), alpha=decay
+            )
+            layer.set_factor(name, torch.where(finite, new, old))
+
     def restart(self) -> None:  # noqa: B027  # optional: nothing by default
-        """The factors were just decomposed afresh (a basis refresh)."""
+        """The factors were just decomposed afresh (a basis refresh); called
+        on every rank, after the step's decompositions arrived (a rank that
+        receives them may receive them into the tensors it held).
+        """
 
     # State -------------------------------------------------------------------
 
