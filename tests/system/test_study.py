@@ -226,6 +226,7 @@ def test_the_schedule_warms_up_linearly_then_decays_to_zero() -> None:
         runner.schedulers('step', [optimizer], steps)
 
 
+@MUON
 def test_the_command_line_sets_rates_and_kfac_per_optimizer(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
