@@ -39,6 +39,7 @@ from kfac.config import FisherConfig
 from kfac.config import KFACConfig
 from kfac.config import ShardingConfig
 from kfac.config import StatisticsConfig
+from kfac.enums import AccumulationDivisor
 from kfac.enums import AllreduceMethod
 from kfac.enums import AssignmentStrategy
 from kfac.enums import BasisRefresh
@@ -72,6 +73,7 @@ __version__ = '0.5.0'
 
 __all__ = [
     'ORIGINAL_DEFAULTS',
+    'AccumulationDivisor',
     'AllreduceMethod',
     'AssignmentStrategy',
     'BaseKFACPreconditioner',

@@ -36,6 +36,7 @@ from kfac.assignment import WorkAssignment
 from kfac.config import EngineOptions
 from kfac.distributed import TorchDistributedCommunicator
 from kfac.distributed._statistics import gather_worker_statistics
+from kfac.enums import AccumulationDivisor
 from kfac.hyperparams import Hyperparameters
 from kfac.hyperparams import HyperparameterValues
 from kfac.hyperparams import OptimizerLR
@@ -428,9 +429,59 @@ class BaseKFACPreconditioner:
     def _update_factors(self) -> None:
         """Fold the captured statistics in; allreduce the factors."""
         self._capture.flush()
+        self._short_step()
         self._factors.update(self.factor_decay, self._steps)
         self._gradient_factors.update(self.factor_decay)
         self._capture.reset()
+
+    def _short_step(self) -> None:
+        """On a step after fewer backward passes than
+        `accumulation_steps`, take the output gradients as the unscaled
+        loss's (see `short_step_ratio`).
+        """
+        ratio = self.short_step_ratio(self._capture.passes())
+        if ratio != 1.0:  # loss_average is model-wide: every layer's
+            for layer in self._layers.values():
+                layer.statistics.scale_output_gradients(ratio)
+
+    def short_step_ratio(self, passes: int) -> float:
+        """How much larger than the hooks took them a step's output
+        gradients are, after `passes` backward passes.
+
+        The hooks multiply each pass's output gradients back by
+        `accumulation_steps`; after fewer passes, with
+        `accumulation_divisor='passes'`, the trainer divided the losses by
+        `passes` instead: the ratio is `passes / accumulation_steps`.
+        Otherwise 1, and the divisor does not matter with a summed loss
+        (no multiplier) or with a sink of output gradients (the Monte
+        Carlo Fisher scales its sampled losses itself).
+
+        Raises:
+            ValueError: a short step whose divisor matters, and no
+                `accumulation_divisor` was given.
+        """
+        expected = self.options.accumulation_steps
+        averaged = any(
+            layer.statistics.loss_average is not None
+            for layer in self._layers.values()
+        )
+        sampled = self._capture.sink is not None
+        if not (0 < passes < expected and averaged) or sampled:
+            return 1.0
+        divisor = self.options.accumulation_divisor
+        if divisor is None:
+            raise ValueError(
+                f'K-FAC: step() after {passes} backward passes, fewer than '
+                f'accumulation_steps={expected} (a trainer steps after the '
+                'last batches of an epoch); say what each loss was divided '
+                'by: KFACPreconditioner(..., statistics=StatisticsConfig('
+                "accumulation_divisor='accumulation_steps')) for Lightning "
+                'or a loop dividing by accumulation_steps, '
+                "accumulation_divisor='passes' for the Hugging Face Trainer",
+            )
+        if divisor == AccumulationDivisor.PASSES:
+            return passes / expected
+        return 1.0
 
     def _update_decompositions(
         self, damping: float, names: Iterable[str] | None = None

@@ -32,6 +32,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from kfac.enums import AccumulationDivisor
 from kfac.enums import AssignmentStrategy
 from kfac.enums import ComputeMethod
 from kfac.enums import DistributedStrategy
@@ -114,6 +115,17 @@ class StatisticsConfig:
             `'batch+sequence'` (a mean over examples and positions, as
             language-model losses are) or None (a summed loss); see
             [`kfac.math`][kfac.math] for the factors of each.
+        accumulation_divisor: what the trainer divided each backward
+            pass's loss by on a *short* step, one after fewer backward
+            passes than `accumulation_steps` (the last batches of an epoch
+            the accumulation does not divide):
+            `'accumulation_steps'` (Lightning, and a loop dividing every
+            loss by `accumulation_steps`) or `'passes'` (the Hugging Face
+            `Trainer`: the passes the step had, or their item count). `G`
+            is then formed from the unscaled gradients of the passes seen.
+            None (the default): a short step raises `ValueError`, since
+            the divisor cannot be read from the gradients. Not needed
+            with a summed loss or the Monte Carlo Fisher.
         batch_first: the model-wide layout of module inputs: `(N, ...)`,
             or with False `(T, N, ...)` (sequence-first); modules inside an
             `nn.MultiheadAttention` or `nn.Transformer*` follow its own
@@ -163,6 +175,7 @@ class StatisticsConfig:
     """
 
     loss_average: LossAverage | str | None = LossAverage.BATCH
+    accumulation_divisor: AccumulationDivisor | str | None = None
     batch_first: bool = True
     kfac_approx: KFACApprox | str = KFACApprox.EXPAND
     max_factor_dim: int | None = DEFAULT_MAX_FACTOR_DIM
@@ -174,6 +187,16 @@ class StatisticsConfig:
 
     def __post_init__(self) -> None:
         _set(self, 'loss_average', check_loss_average(self.loss_average))
+        if self.accumulation_divisor is not None:
+            _set(
+                self,
+                'accumulation_divisor',
+                parse_enum(
+                    AccumulationDivisor,
+                    self.accumulation_divisor,
+                    'accumulation_divisor',
+                ),
+            )
         for limit in (
             'max_nonfinite_statistics',
             'max_decomposition_failures',
@@ -445,6 +468,7 @@ class KFACConfig:
             max_decomposition_failures=(
                 self.statistics.max_decomposition_failures
             ),
+            accumulation_divisor=self.statistics.accumulation_divisor,
         )
 
     def curvature(self) -> CurvatureConfig:
@@ -536,6 +560,8 @@ class EngineOptions:
         max_nonfinite_statistics, max_decomposition_failures: the limits
             on failures in a row (see
             [`StatisticsConfig`][kfac.config.StatisticsConfig]).
+        accumulation_divisor: what a short step's losses were divided by
+            (see [`StatisticsConfig`][kfac.config.StatisticsConfig]).
 
     Raises:
         TypeError: a field has the wrong type.
@@ -550,9 +576,20 @@ class EngineOptions:
     position_sample_seed: int = 0
     max_nonfinite_statistics: int | None = None
     max_decomposition_failures: int | None = None
+    accumulation_divisor: AccumulationDivisor | str | None = None
 
     def __post_init__(self) -> None:
         validate_int('accumulation_steps', self.accumulation_steps)
+        if self.accumulation_divisor is not None:
+            _set(
+                self,
+                'accumulation_divisor',
+                parse_enum(
+                    AccumulationDivisor,
+                    self.accumulation_divisor,
+                    'accumulation_divisor',
+                ),
+            )
         check_bool('update_factors_in_hook', self.update_factors_in_hook)
         check_bool('bucketed', self.bucketed)
         _set(

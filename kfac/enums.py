@@ -147,6 +147,19 @@ class LossAverage(_ChoiceEnum):
     BATCH_SEQUENCE = 'batch+sequence'
 
 
+class AccumulationDivisor(_ChoiceEnum):
+    """What each backward pass's loss was divided by on a *short* step,
+    one after fewer backward passes than `accumulation_steps` (a trainer's
+    last batches of an epoch): `ACCUMULATION_STEPS` (the configured number,
+    as Lightning and a loop dividing by `accumulation_steps` do) or
+    `PASSES` (the passes the step actually had, as the Hugging Face
+    `Trainer` does).
+    """
+
+    ACCUMULATION_STEPS = 'accumulation_steps'
+    PASSES = 'passes'
+
+
 class MCLoss(_ChoiceEnum):
     """The loss whose predictive distribution the Monte Carlo Fisher
     samples: `CROSS_ENTROPY` (a categorical) or `MSE` (a Gaussian).
@@ -209,13 +222,15 @@ def parse_enum(enum_type: type[E], value: object, argument: str) -> E:
     if isinstance(value, enum_type):
         return value
     allowed = ', '.join(repr(m.value) for m in enum_type)
+    name = enum_type.__name__
+    article = 'an' if name[0] in 'AEIOU' else 'a'
     if not isinstance(value, str):
-        what = f'a {enum_type.__name__} or one of the strings {allowed}'
+        what = f'{article} {name} or one of the strings {allowed}'
         raise type_error(argument, value, what)
     try:
         return enum_type(value)
     except ValueError:
         raise ValueError(
-            f'{argument}={value!r} is not a {enum_type.__name__}; '
+            f'{argument}={value!r} is not {article} {name}; '
             f'allowed (case-insensitive): {allowed}',
         ) from None

@@ -30,10 +30,13 @@ Rules (see the trainers guide):
   advance the preconditioner's step count and does not step the base
   optimizer. Stepping with scaled gradients (calling `step()` yourself,
   or giving the scaler the base optimizer) raises `RuntimeError`.
-* Accumulation: the backward passes between two steps must equal the
-  preconditioner's `accumulation_steps` (set it to the trainer's
-  `accumulate_grad_batches` or `gradient_accumulation_steps`); a mismatch
-  raises `ValueError` at the first step.
+* Accumulation: set the preconditioner's `accumulation_steps` to the
+  trainer's `accumulate_grad_batches` or `gradient_accumulation_steps`.
+  A step after fewer backward passes (the last batches of an epoch) is
+  preconditioned as the trainer divided its losses: say how with
+  `StatisticsConfig(accumulation_divisor=...)` (`'accumulation_steps'` for
+  Lightning, `'passes'` for the Hugging Face `Trainer`). A step after more
+  passes, or none, raises `ValueError`.
 """
 
 from __future__ import annotations
@@ -292,8 +295,10 @@ class KFACOptimizer(torch.optim.Optimizer):
             RuntimeError: the gradients may still be scaled by a loss
                 scaler, or a scaler steps this optimizer while the
                 preconditioner has no `grad_scaler`.
-            ValueError: the backward passes since the last step differ
-                from the preconditioner's `accumulation_steps`.
+            ValueError: no backward pass, or more than the
+                preconditioner's `accumulation_steps`, since the last step;
+                or fewer, and the preconditioner was not told how the
+                trainer divided the losses (`accumulation_divisor`).
         """
         loss = None
         if closure is not None:
@@ -354,7 +359,7 @@ class KFACOptimizer(torch.optim.Optimizer):
 
     def _check_accumulation(self) -> None:
         expected = self.preconditioner.options.accumulation_steps
-        if self._counting and self._backwards != expected:
+        if self._counting and not 0 < self._backwards <= expected:
             raise ValueError(
                 f'KFACOptimizer: {self._backwards} backward passes since the '
                 f'last step but the preconditioner has accumulation_steps='
@@ -362,6 +367,8 @@ class KFACOptimizer(torch.optim.Optimizer):
                 'gradient accumulation (accumulate_grad_batches, '
                 'gradient_accumulation_steps)',
             )
+        if self._counting:  # raises on every short step missing a divisor
+            self.preconditioner.short_step_ratio(self._backwards)
 
     def _count(self, param: torch.Tensor) -> None:
         self._backwards += 1

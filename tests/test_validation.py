@@ -109,12 +109,12 @@ INVALID: list[tuple[dict[str, Any], type[Exception], str]] = [
     (
         {'assignment_strategy': 'fastest'},
         ValueError,
-        "assignment_strategy='fastest' is not a AssignmentStrategy",
+        "assignment_strategy='fastest' is not an AssignmentStrategy",
     ),
     (
         {'assignment_strategy': 3},
         TypeError,
-        'assignment_strategy must be a AssignmentStrategy',
+        'assignment_strategy must be an AssignmentStrategy',
     ),
     (
         {'compute_method': 'cholesky'},

@@ -60,6 +60,7 @@ GLOBAL_OPTIONS = (
     'accumulation_steps',
     'update_factors_in_hook',
     'statistics.loss_average',
+    'statistics.accumulation_divisor',
     'statistics.position_sample_seed',
     'statistics.max_nonfinite_statistics',
     'statistics.max_decomposition_failures',

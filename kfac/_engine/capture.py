@@ -551,6 +551,12 @@ class Capture:
         if self.in_hook and tally.passes == self.accumulation_steps:
             self._on_complete(name)
 
+    def passes(self) -> int:
+        """The most backward passes a layer completed since the last
+        factor update (the step's passes, once `flush` ended the last).
+        """
+        return max((t.passes for t in self._tallies.values()), default=0)
+
     def flush(self) -> None:
         """End the backward pass for every module still waiting on
         forward calls that got no gradient (run at the end of a backward

@@ -13,6 +13,7 @@ count `Z` (the terms `G` averages over).
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import NamedTuple
 
 import torch
@@ -66,6 +67,19 @@ class ExampleRows:
         if self._calls:
             self._passes.append(Pass(tuple(self._calls), count))
         self._calls = []
+
+    def scale(self, ratio: float) -> None:
+        """Multiply the `g` multiplier of every call not sealed yet by
+        `ratio`.
+        """
+
+        def scaled(calls: Iterable[Call]) -> tuple[Call, ...]:
+            return tuple(c._replace(scale=c.scale * ratio) for c in calls)
+
+        self._calls = list(scaled(self._calls))
+        self._passes = [
+            p._replace(calls=scaled(p.calls)) for p in self._passes
+        ]
 
     def seal(self) -> None:
         """Make the passes so far the factor update's (replacing any sealed

@@ -111,6 +111,7 @@ class KroneckerFactor:
         """Tensors a gradient worker needs to apply this factor's inverse."""
         self._sum: torch.Tensor | None = None
         self._count = 0
+        self._weight = 1.0
         self._pending: list[Captured] = []
         self._previous: tuple[torch.Tensor | None] | None = None
         self.captures = 0
@@ -180,6 +181,12 @@ class KroneckerFactor:
         self._sum = total if self._sum is None else self._sum.add_(total)
         self._count += count
 
+    def weigh(self, weight: float) -> None:
+        """Multiply the batch accumulated so far by `weight` (rows captured
+        with a multiplier `√weight` too large or small).
+        """
+        self._weight *= weight
+
     def batch_sum(self) -> torch.Tensor | None:
         """Fold in pending data; the batch's `Σ x xᵀ` (None if empty)."""
         for captured in self._pending:
@@ -192,7 +199,7 @@ class KroneckerFactor:
     def batch(self) -> torch.Tensor | None:
         """The accumulated batch factor `Σ x xᵀ / count`, or None."""
         total = self.batch_sum()
-        return None if total is None else total / self._count
+        return None if total is None else total * (self._weight / self._count)
 
     def update(
         self, decay: float, *, compiled: bool = False
@@ -216,11 +223,11 @@ class KroneckerFactor:
             was finite.
         """
         self.batch_sum()
-        total, count = self._sum, self._count
+        total, count, weight = self._sum, self._count, self._weight
         self.reset_batch()
         if total is None:
             return None
-        scale = 1.0 / count if count else 1.0
+        scale = weight / count if count else weight
         self._previous = (self.value,)
         if compiled:
             current = self.value
@@ -253,6 +260,7 @@ class KroneckerFactor:
         """Drop the batch accumulated so far."""
         self._sum = None
         self._count = 0
+        self._weight = 1.0
         self._pending.clear()
         self.captures = 0
 
@@ -598,6 +606,18 @@ class LayerStatistics:
         )
         self.keep_call(layer_input, grad_output, multiplier / loss_scale)
         return count
+
+    def scale_output_gradients(self, ratio: float) -> None:
+        """Take the output gradients captured since the last factor update
+        as `ratio` times what they were (`G`'s batch by `ratio²`, the kept
+        examples' `g` by `ratio`): a short step whose losses were divided
+        by another number than `accumulation_steps`.
+        """
+        for factor in self.factors:
+            if factor.name == 'G':
+                factor.weigh(ratio * ratio)
+        if self.examples is not None:
+            self.examples.scale(ratio)
 
     def add_examples(self, count: int) -> None:
         """Count the `count` examples of one backward pass (see `add_call`)."""

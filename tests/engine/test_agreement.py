@@ -78,6 +78,7 @@ def test_description_of_one_linear() -> None:
         ('accumulation_steps', '1'),
         ('update_factors_in_hook', 'True'),
         ('statistics.loss_average', "'batch'"),
+        ('statistics.accumulation_divisor', 'None'),
         ('statistics.position_sample_seed', '0'),
         ('statistics.max_nonfinite_statistics', 'None'),
         ('statistics.max_decomposition_failures', 'None'),
@@ -177,6 +178,13 @@ VARIANTS = [
         {},
         {'statistics': StatisticsConfig(loss_average=None)},
         "statistics.loss_average: 'batch' on ranks [0], None on ranks [1]",
+    ),
+    Variant(
+        'statistics.accumulation_divisor',
+        {},
+        {'statistics': StatisticsConfig(accumulation_divisor='passes')},
+        "statistics.accumulation_divisor: None on ranks [0], 'passes' on "
+        'ranks [1]',
     ),
     Variant(
         'statistics.position_sample_seed',

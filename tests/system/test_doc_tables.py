@@ -511,7 +511,11 @@ def test_migration_row_holds_the_old_value(before: str, now: str) -> None:
         )
 
 
-NEW_SINCE_1CAA768 = {'max_decomposition_failures', 'max_nonfinite_statistics'}
+NEW_SINCE_1CAA768 = {
+    'accumulation_divisor',
+    'max_decomposition_failures',
+    'max_nonfinite_statistics',
+}
 """Group fields that did not exist at `1caa768`: nothing to migrate."""
 ADDED_SINCE_1CAA768 = ('EigenAdamConfig', 'OneSidedConfig')
 """Methods added after commit 1caa768: nothing of theirs had a spelling

@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import Dataset
 
+from kfac.config import StatisticsConfig
 from kfac.optimizer import KFACOptimizer
 from kfac.preconditioner import KFACPreconditioner
 from testing.models import TinyMLP
@@ -185,3 +186,58 @@ class Stop(transformers.TrainerCallback):
         if state.global_step >= self.steps:
             control.should_training_stop = True
         return control
+
+
+class Recording(Classifier):
+    """The classifier, keeping the batches it trained on in order."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.batches: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    def forward(
+        self, x: torch.Tensor, labels: torch.Tensor
+    ) -> dict[str, torch.Tensor]:
+        self.batches.append((x.clone(), labels.clone()))
+        return super().forward(x, labels)
+
+
+def test_a_short_accumulation_trains_as_the_loop(tmp_path: Path) -> None:
+    """Three batches an epoch, two per step: the Trainer takes a step
+    after the epoch's last batch alone, its loss divided by 1 (the passes
+    the step had); the preconditioner is told so.
+    """
+    options: dict[str, Any] = {
+        'accumulation_steps': 2,
+        'statistics': StatisticsConfig(accumulation_divisor='passes'),
+        'factor_update_steps': 1,  # the short steps update factors
+        'inv_update_steps': 1,
+    }
+    model = Recording()
+    optimizer, precon = make(model, **options)
+    transformers.Trainer(
+        model=model,
+        args=args(tmp_path, num_train_epochs=2, gradient_accumulation_steps=2),
+        train_dataset=Examples(12),
+        optimizers=(optimizer, None),
+    ).train()
+    assert precon.steps == 4
+    # The loop: the same batches, grouped (2, 1) per epoch, each loss
+    # divided by its group's size; the clip and the linear schedule.
+    want = Classifier()
+    loop_optimizer, _ = make(want, **options)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(
+        loop_optimizer, lambda s: (4 - s) / 4
+    )
+    assert len(model.batches) == 6
+    batches = model.batches
+    groups = [batches[0:2], batches[2:3], batches[3:5], batches[5:6]]
+    for group in groups:
+        loop_optimizer.zero_grad()
+        for x, y in group:
+            (want(x, y)['loss'] / len(group)).backward()
+        nn.utils.clip_grad_norm_(want.parameters(), 1.0)
+        loop_optimizer.step()
+        scheduler.step()
+    for got, ref in zip(model.parameters(), want.parameters(), strict=True):
+        torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-6)

@@ -15,6 +15,7 @@ from torch import nn
 from torch.utils.data import DataLoader
 from torch.utils.data import TensorDataset
 
+from kfac.config import StatisticsConfig
 from kfac.optimizer import KFACOptimizer
 from kfac.preconditioner import KFACPreconditioner
 from testing.models import TinyMLP
@@ -151,11 +152,51 @@ def test_accumulation(tmp_path: Path) -> None:
             Module(), loader(16)
         )
     # Lightning steps after the last batch of an epoch (here the 3rd):
-    # one micro-batch instead of two is refused too.
-    with pytest.raises(ValueError, match='1 backward passes since the last'):
+    # one micro-batch instead of two, its loss divided by 2 all the same.
+    # The preconditioner must be told so.
+    with pytest.raises(ValueError, match="accumulation_divisor='accumulat"):
         trainer(tmp_path, max_epochs=1, accumulate_grad_batches=2).fit(
             Module(accumulation_steps=2), loader(12)
         )
+
+
+def test_a_short_accumulation_trains_as_the_loop(tmp_path: Path) -> None:
+    """Three batches an epoch, two per step: Lightning steps after the
+    epoch's last batch alone, its loss divided by 2 (the configured
+    accumulation), as the loop does.
+    """
+    options: dict[str, Any] = {
+        'accumulation_steps': 2,
+        'statistics': StatisticsConfig(
+            accumulation_divisor='accumulation_steps'
+        ),
+        'factor_update_steps': 1,  # the short steps update factors
+        'inv_update_steps': 1,
+    }
+    module = Module(**options)
+    trainer(tmp_path, max_epochs=2, accumulate_grad_batches=2).fit(
+        module, loader(12)
+    )
+    assert preconditioner(module).steps == 4
+    torch.manual_seed(0)
+    net = TinyMLP()
+    base = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
+    precon = KFACPreconditioner(
+        net, damping=0.01, relative_clip=1.0, **options
+    )
+    optimizer = KFACOptimizer(base, precon)
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, 1, 0.5)
+    batches = list(loader(12))
+    for group in [batches[:2], batches[2:]] * 2:
+        optimizer.zero_grad()
+        for x, y in group:
+            (F.cross_entropy(net(x), y) / 2).backward()
+        optimizer.step()
+        scheduler.step()
+    for got, ref in zip(
+        module.net.parameters(), net.parameters(), strict=True
+    ):
+        torch.testing.assert_close(got, ref, rtol=1e-6, atol=1e-7)
 
 
 class Logging(Module):
