@@ -1,7 +1,8 @@
 """The distributed oracle: W ranks with N/W examples each equal one process.
 
 For every world size 1-4, every valid KAISA strategy, both compute methods,
-bucketing on and off and symmetry-aware packing on and off (and EKFAC under
+bucketing on and off and symmetry-aware packing on and off (their whole
+product at W = 2, a pairwise covering of it at the others; and EKFAC under
 each strategy, see ``ekfac_configuration``, and ``position_sample``, whose
 draws are keyed to the global example index), a few DDP
 training steps must give parameters equal on all ranks and equal to one
@@ -48,15 +49,33 @@ STRATEGIES = {
 }
 
 
+PAIRWISE = (
+    ('comm_opt', 'eigen', 25.0, False),
+    ('comm_opt', 'inverse', 0.0, True),
+    ('hybrid_opt', 'eigen', 0.0, False),
+    ('hybrid_opt', 'inverse', 25.0, True),
+    ('mem_opt', 'eigen', 25.0, True),
+    ('mem_opt', 'inverse', 0.0, False),
+)
+"""Strategy, method, bucket cap and symmetry-aware packing: every pair of
+values of two of them appears in some row (a covering array, a quarter of
+the product)."""
+
+
 def configurations(world_size: int) -> list[dict[str, Any]]:
-    """Every valid strategy x method x bucketing x symmetry-aware packing."""
+    """Every valid strategy x method x bucketing x symmetry-aware packing
+    at W = 2; at the other world sizes, rows of `PAIRWISE`.
+    """
     fractions = valid_grad_worker_fractions(world_size)
     configs = []
-    for strategy, method, cap, symmetric in itertools.product(
+    product = itertools.product(
         STRATEGIES,
         ('eigen', 'inverse'),
         (25.0, 0.0),
         (False, True),
+    )
+    for strategy, method, cap, symmetric in (
+        product if world_size == 2 else PAIRWISE
     ):
         if (
             strategy == 'hybrid_opt'

@@ -105,3 +105,6 @@ def test_wheel_metadata_reads_the_one_version(wheel: zipfile.ZipFile) -> None:
     assert metadata['Version'] == kfac.__version__
     requires = metadata.get_all('Requires-Dist') or []
     assert [r for r in requires if r.startswith('torch')], requires
+    assert metadata['License-Expression'] == 'MIT'
+    licence = f'kfac_pytorch-{kfac.__version__}.dist-info/licenses/LICENSE'
+    assert 'Permission is hereby granted' in wheel.read(licence).decode()
