@@ -402,7 +402,8 @@ class BaseKFACPreconditioner:
             )
             return
         self._capture.follow_modules()
-        self._gradient_factors.follow_modules()
+        if self._gradient_factors.layers:  # not entered without them
+            self._gradient_factors.follow_modules()
         self._values = None  # read the optimizer's learning rate now
         values = self.hyperparameter_values()
         factors = self._steps % values.factor_update_steps == 0
@@ -431,7 +432,8 @@ class BaseKFACPreconditioner:
         self._capture.flush()
         self._short_step()
         self._factors.update(self.factor_decay, self._steps)
-        self._gradient_factors.update(self.factor_decay)
+        if self._gradient_factors.layers:
+            self._gradient_factors.update(self.factor_decay)
         self._capture.reset()
 
     def _short_step(self) -> None:

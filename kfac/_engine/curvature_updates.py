@@ -22,6 +22,7 @@ from kfac.assignment import WorkAssignment
 from kfac.distributed import TorchDistributedCommunicator
 from kfac.distributed._exchange import allreduce_statistics
 from kfac.layers.base import KFACBaseLayer
+from kfac.layers.curvature.base import Curvature
 from kfac.tracing import Phase
 
 __all__ = ['CurvatureUpdates']
@@ -47,8 +48,14 @@ class CurvatureUpdates:
         bucketed: bool,
         phase: Phase,
     ) -> None:
-        self.refreshed = dict(layers)
-        """Every layer: each is told of its refreshes (`restart`)."""
+        self.refreshed = {
+            name: layer
+            for name, layer in layers.items()
+            if type(layer.curvature).restart is not Curvature.restart
+        }
+        """The layers whose curvature does something on a refresh
+        (`restart`): every other one keeps the default, which does
+        nothing."""
         self.layers = {
             name: layer
             for name, layer in layers.items()
@@ -66,7 +73,8 @@ class CurvatureUpdates:
         decompositions.
         """
         for name in names:
-            self.refreshed[name].curvature.restart()
+            if name in self.refreshed:
+                self.refreshed[name].curvature.restart()
 
     def update(self, decay: float, damping: float) -> None:
         """Estimate, average and fold in the batch statistics of every

@@ -55,8 +55,6 @@ class GradientFactors:
         without a gradient this step is left as it is). Every rank calls
         it on each factor-update step, with the gradients reduced.
         """
-        if not self.layers:
-            return
         with self.phase('gradient_factors'):
             for layer in self.layers.values():
                 grad = layer.helper.get_grad()
