@@ -39,6 +39,7 @@ from kfac.config import FisherConfig
 from kfac.config import KFACConfig
 from kfac.config import ShardingConfig
 from kfac.config import StatisticsConfig
+from kfac.distributed import KFACDistributedError
 from kfac.enums import AccumulationDivisor
 from kfac.enums import AllreduceMethod
 from kfac.enums import AssignmentStrategy
@@ -67,6 +68,7 @@ from kfac.layers.curvature import method_config
 from kfac.optimizer import KFACOptimizer
 from kfac.preconditioner import KFACPreconditioner
 from kfac.scheduler import LambdaParamScheduler
+from kfac.tracing import FailureLimitError
 from kfac.tracing import PhaseTimer
 
 __version__ = '0.5.0'
@@ -88,11 +90,13 @@ __all__ = [
     'EigenAdamConfig',
     'EigenConfig',
     'FactorSource',
+    'FailureLimitError',
     'FisherConfig',
     'FisherType',
     'InverseConfig',
     'KFACApprox',
     'KFACConfig',
+    'KFACDistributedError',
     'KFACOptimizer',
     'KFACPreconditioner',
     'LambdaParamScheduler',

@@ -40,6 +40,7 @@ from kfac.distributed._communicator import NonSquareTensorError
 from kfac.distributed._communicator import TorchDistributedCommunicator
 from kfac.distributed._communicator import fill_triu
 from kfac.distributed._communicator import get_triu
+from kfac.distributed._exchange import KFACDistributedError
 from kfac.distributed._groups import GroupFunc
 from kfac.distributed._groups import default_group_func
 from kfac.distributed._groups import get_rank
@@ -55,6 +56,7 @@ __all__ = [
     'Future',
     'GroupFunc',
     'Handle',
+    'KFACDistributedError',
     'NonSquareTensorError',
     'TorchDistributedCommunicator',
     'default_group_func',
