@@ -100,6 +100,15 @@ def check_limit(name: str, value: object) -> int | None:
     return validate_int(name, value, minimum=0)
 
 
+def _divisor(value: object) -> AccumulationDivisor | None:
+    """`accumulation_divisor` as an
+    [`AccumulationDivisor`][kfac.enums.AccumulationDivisor], or None.
+    """
+    if value is None:
+        return None
+    return parse_enum(AccumulationDivisor, value, 'accumulation_divisor')
+
+
 def _set(config: object, name: str, value: object) -> None:
     """Store a normalised field of a frozen dataclass."""
     object.__setattr__(config, name, value)
@@ -187,16 +196,7 @@ class StatisticsConfig:
 
     def __post_init__(self) -> None:
         _set(self, 'loss_average', check_loss_average(self.loss_average))
-        if self.accumulation_divisor is not None:
-            _set(
-                self,
-                'accumulation_divisor',
-                parse_enum(
-                    AccumulationDivisor,
-                    self.accumulation_divisor,
-                    'accumulation_divisor',
-                ),
-            )
+        _set(self, 'accumulation_divisor', _divisor(self.accumulation_divisor))
         for limit in (
             'max_nonfinite_statistics',
             'max_decomposition_failures',
@@ -580,16 +580,7 @@ class EngineOptions:
 
     def __post_init__(self) -> None:
         validate_int('accumulation_steps', self.accumulation_steps)
-        if self.accumulation_divisor is not None:
-            _set(
-                self,
-                'accumulation_divisor',
-                parse_enum(
-                    AccumulationDivisor,
-                    self.accumulation_divisor,
-                    'accumulation_divisor',
-                ),
-            )
+        _set(self, 'accumulation_divisor', _divisor(self.accumulation_divisor))
         check_bool('update_factors_in_hook', self.update_factors_in_hook)
         check_bool('bucketed', self.bucketed)
         _set(
