@@ -28,6 +28,7 @@ from benchmarks.comm import counted
 from benchmarks.floor import layer_shapes
 from kfac.assignment import KAISAAssignment
 from kfac.distributed import TorchDistributedCommunicator
+from kfac.layers.curvature import CurvatureConfig
 from kfac.layers.curvature import method_config
 from kfac.placement import KAISAPlan
 from kfac.placement import factor_cost
@@ -107,6 +108,18 @@ def cases(world_size: int) -> list[Case]:
     ]
     # EKFAC: its bases to every rank and S's allreduce, with packed factors.
     found += [Case(f, CommConfig('ekfac', True, True)) for f in fractions]
+    # EIGEN_ADAM and ONE_SIDED from K-FAC's factors and from the gradient's
+    # own (no factor allreduce), one side each.
+    found += [
+        Case(f, CommConfig(method, True, True, source=source, side=side))
+        for f in fractions
+        for method, source, side in (
+            ('eigen_adam', 'kfac', 'input'),
+            ('eigen_adam', 'gradient', 'input'),
+            ('one_sided', 'kfac', 'input'),
+            ('one_sided', 'gradient', 'output'),
+        )
+    ]
     # factor_rank 8: both A factors at low rank (eigen ignores prediv),
     # their decompositions broadcast under COMM-OPT; at W=2 only.
     if world_size == 2:
@@ -136,12 +149,20 @@ class _Net(nn.Module):
         return out
 
 
-def _plan(model: nn.Module, world: int, grad_workers: int) -> KAISAPlan:
+def _plan(
+    model: nn.Module, world: int, grad_workers: int, comm: CommConfig
+) -> KAISAPlan:
+    """KAISA's plan: every factor costs its decomposition, but for the
+    factor one_sided does not use (one unit).
+    """
+
+    def cost(dim: int, factor: str) -> float:
+        if comm.method == 'one_sided' and factor != comm.side_factor:
+            return 1.0
+        return factor_cost(dim, 'compute')
+
     work = {
-        x.name: {
-            'A': factor_cost(x.a_dim, 'compute'),
-            'G': factor_cost(x.g_dim, 'compute'),
-        }
+        x.name: {'A': cost(x.a_dim, 'A'), 'G': cost(x.g_dim, 'G')}
         for x in layer_shapes(model)
     }
     return plan_kaisa(
@@ -168,19 +189,26 @@ def expected(
     }
 
 
+def _method(comm: CommConfig) -> CurvatureConfig:
+    """The compute method `comm` describes."""
+    if comm.method == 'eigen_adam':
+        return method_config(comm.method, source=comm.source)
+    if comm.method == 'one_sided':
+        return method_config(comm.method, source=comm.source, side=comm.side)
+    return method_config(
+        comm.method,
+        prediv_eigenvalues=comm.prediv if comm.method != 'inverse' else None,
+        factor_rank=comm.factor_rank,
+    )
+
+
 def _run_case(case: Case, rank: int) -> dict[str, object]:
     torch.manual_seed(0)
     model = _Net()
     comm = case.comm
     pre = KFACPreconditioner(
         model,
-        compute_method=method_config(
-            comm.method,
-            prediv_eigenvalues=comm.prediv
-            if comm.method != 'inverse'
-            else None,
-            factor_rank=comm.factor_rank,
-        ),
+        compute_method=_method(comm),
         symmetry_aware=comm.symmetry_aware,
         allreduce_bucket_cap_mb=comm.bucket_cap_mb,
         grad_worker_fraction=case.fraction,
@@ -201,7 +229,7 @@ def _run_case(case: Case, rank: int) -> dict[str, object]:
     assignment = pre.assignment
     assert isinstance(assignment, KAISAAssignment)
     world = dist.get_world_size()
-    plan = _plan(model, world, assignment.grad_workers)
+    plan = _plan(model, world, assignment.grad_workers, comm)
     assert dict(plan.inv_workers) == dict(assignment.plan.inv_workers)
     want = expected(model, plan, rank, comm)
     got = {p: (meter.bytes[p], meter.calls[p]) for p in COMM_PHASES}

@@ -21,11 +21,20 @@ asks the communicator for:
   ``S`` is updated), broadcast to *every* rank whatever the fraction: each
   rank estimates the scaling from its own examples. Every rank takes part
   in every EKFAC layer's broadcasts (there are some whenever the world has
-  more than one rank). With ``factor_rank`` ``k``, a layer with a dense
-  factor longer than ``k`` is a low-rank layer: each such factor sends
-  ``Q_k`` (``n x k``) and ``k + 1`` values (eigen and inverse alike, never
-  packed), its other factor what the plain method sends without
+  more than one rank). EIGEN_ADAM: ``Q`` and the eigenvalues per factor,
+  as eigen without ``compute_eigenvalue_outer_product`` (its second
+  moments stay on the gradient workers and never travel). ONE_SIDED:
+  ``Q`` and the eigenvalues of the factor it preconditions with, one value
+  (the mean eigenvalue) of the other. With ``factor_rank`` ``k``, a layer
+  with a dense factor longer than ``k`` is a low-rank layer: each such
+  factor sends ``Q_k`` (``n x k``) and ``k + 1`` values (eigen and inverse
+  alike, never packed), its other factor what the plain method sends without
   ``compute_eigenvalue_outer_product`` (which low-rank layers ignore).
+* **the gradient's own factors** (``source='gradient'``, EIGEN_ADAM and
+  ONE_SIDED): formed on every rank from the averaged gradient, so nothing
+  of them is allreduced; with every layer so, the factor-update step has
+  no factor allreduce and no health allreduce either. Their
+  decompositions travel as K-FAC's do.
 * **EKFAC's scaling** (every factor-update step, more than one rank): each
   layer's batch ``S``, shaped like its ``g x a`` gradient, allreduced over
   the world after the decompositions, bucketed like the factors but never
@@ -88,14 +97,16 @@ class CommConfig:
     """The preconditioner options that decide what travels.
 
     Attributes:
-        method: ``'eigen'``, ``'inverse'`` or ``'ekfac'``.
+        method: ``'eigen'``, ``'inverse'``, ``'ekfac'``, ``'eigen_adam'``
+            or ``'one_sided'``.
         prediv: ``compute_eigenvalue_outer_product`` (what travels changes
             for eigen only).
         symmetry_aware: symmetric matrices travel as packed triangles.
         itemsize: bytes per element of factors, decompositions, gradients.
         bucket_cap_mb: ``allreduce_bucket_cap_mb`` (0: no bucketing).
         factor_rank: ``factor_rank`` (eigen and inverse), or None.
-
+        source: ``'kfac'`` or ``'gradient'`` (eigen_adam and one_sided).
+        side: ``'input'`` or ``'output'``, the factor one_sided uses.
     """
 
     method: str = 'eigen'
@@ -104,6 +115,17 @@ class CommConfig:
     itemsize: int = 4
     bucket_cap_mb: float = 25.0
     factor_rank: int | None = None
+    source: str = 'kfac'
+    side: str = 'input'
+
+    @property
+    def side_factor(self) -> str:
+        """The factor one_sided preconditions with: ``'A'`` or ``'G'``."""
+        return 'A' if self.side == 'input' else 'G'
+
+
+_TWO_TENSORS = ('ekfac', 'eigen_adam', 'one_sided')
+"""The methods that send ``Q`` and the eigenvalues whatever ``prediv``."""
 
 
 def _square(n: int, packed: bool) -> int:
@@ -111,7 +133,11 @@ def _square(n: int, packed: bool) -> int:
 
 
 def factor_payloads(layer: LayerShape, config: CommConfig) -> list[int]:
-    """Elements allreduced for ``A`` then ``G``."""
+    """Elements allreduced for ``A`` then ``G`` (none for the gradient's
+    own factors).
+    """
+    if config.source == 'gradient':
+        return []
     packed = config.symmetry_aware
     return [_square(layer.a_dim, packed), _square(layer.g_dim, packed)]
 
@@ -130,7 +156,9 @@ def decomposition_payloads(
             return [n * n, n]
     if config.method == 'inverse':
         return [_square(n, config.symmetry_aware)]
-    if not config.prediv or config.method == 'ekfac':
+    if config.method == 'one_sided' and factor != config.side_factor:
+        return [1]
+    if not config.prediv or config.method in _TWO_TENSORS:
         return [n * n, n]
     return [n * n] if factor == 'A' else [n * n, layer.grad_numel]
 
@@ -171,8 +199,9 @@ def counted(
     if plan.world_size == 1:
         return result
     payloads = [e * size for x in layers for e in factor_payloads(x, config)]
-    calls = bucket_count(payloads, config.bucket_cap_mb)
-    result['factor_allreduce'] = (sum(payloads) + HEALTH_BYTES, calls + 1)
+    if payloads:
+        calls = bucket_count(payloads, config.bucket_cap_mb)
+        result['factor_allreduce'] = (sum(payloads) + HEALTH_BYTES, calls + 1)
     ekfac = config.method == 'ekfac'
     if plan.grad_workers > 1 or ekfac:
         sent = [
@@ -224,9 +253,10 @@ def traffic(
     if world == 1:
         return result
     total = sum(sum(factor_payloads(x, config)) for x in layers)
-    nbytes = total * config.itemsize + HEALTH_BYTES
-    ring = 2.0 * (world - 1) / world * nbytes
-    result['factor_allreduce'] = (zeros + ring, zeros + ring)
+    if total:
+        nbytes = total * config.itemsize + HEALTH_BYTES
+        ring = 2.0 * (world - 1) / world * nbytes
+        result['factor_allreduce'] = (zeros + ring, zeros + ring)
     ekfac = config.method == 'ekfac'
     if ekfac:
         scales = sum(x.grad_numel for x in layers) * config.itemsize
