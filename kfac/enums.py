@@ -198,7 +198,7 @@ class ShardMode(_ChoiceEnum):
     LOCAL = 'local'
 
 
-E = TypeVar('E', bound=_ChoiceEnum)
+E = TypeVar('E', bound=enum.Enum)
 
 
 def parse_enum(enum_type: type[E], value: object, argument: str) -> E:
@@ -206,8 +206,8 @@ def parse_enum(enum_type: type[E], value: object, argument: str) -> E:
 
     Args:
         enum_type: the enum class.
-        value: a member of `enum_type` or its name or value as a string
-            (case-insensitive).
+        value: a member of `enum_type` or its value as a string (for the
+            library's enums also its name, case-insensitive).
         argument: the name of the argument being parsed, used in errors.
 
     Raises:
@@ -230,7 +230,8 @@ def parse_enum(enum_type: type[E], value: object, argument: str) -> E:
     try:
         return enum_type(value)
     except ValueError:
+        loose = issubclass(enum_type, _ChoiceEnum)
         raise ValueError(
-            f'{argument}={value!r} is not {article} {name}; '
-            f'allowed (case-insensitive): {allowed}',
+            f'{argument}={value!r} is not {article} {name}; allowed'
+            f'{" (case-insensitive)" if loose else ""}: {allowed}',
         ) from None

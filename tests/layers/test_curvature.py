@@ -5,6 +5,8 @@ object is given and refused.
 from __future__ import annotations
 
 import dataclasses
+import enum
+from collections.abc import Mapping
 from typing import ClassVar
 
 import pytest
@@ -14,6 +16,7 @@ from torch import nn
 from kfac.config import KFACConfig
 from kfac.config import StatisticsConfig
 from kfac.enums import AssignmentStrategy
+from kfac.enums import BasisRefresh
 from kfac.layers.base import KFACBaseLayer
 from kfac.layers.curvature import Curvature
 from kfac.layers.curvature import CurvatureConfig
@@ -107,6 +110,36 @@ class WideOnlyConfig(CurvatureConfig):
         if layer.helper.in_features < 4:
             raise ValueError('needs at least 4 inputs')
         return Identity(layer)
+
+
+class Colour(enum.Enum):
+    RED = 'red'
+    BLUE = 'blue'
+
+
+@dataclasses.dataclass(frozen=True)
+class ColourConfig(IdentityConfig):
+    """A method with an enum option of its own (a plain `enum.Enum`)."""
+
+    enums: ClassVar[Mapping[str, type[enum.Enum]]] = {
+        'colour': Colour,
+        'refresh': BasisRefresh,
+    }
+    colour: Colour | str = Colour.RED
+    refresh: BasisRefresh | str = BasisRefresh.EIGH
+
+
+def test_the_options_named_in_enums_are_parsed() -> None:
+    config = ColourConfig(colour='blue', refresh='QR')
+    assert config.colour is Colour.BLUE
+    assert config.refresh is BasisRefresh.QR
+    # a plain enum matches its values exactly; the library's ignore case
+    with pytest.raises(ValueError, match=r"is not a Colour; allowed: 'red'"):
+        ColourConfig(colour='Blue')
+    with pytest.raises(TypeError, match='colour'):
+        ColourConfig(colour=1)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r'allowed \(case-insensitive\)'):
+        ColourConfig(refresh='lanczos')
 
 
 def test_a_method_refusing_a_module_names_it() -> None:

@@ -54,6 +54,8 @@ from __future__ import annotations
 
 import abc
 import dataclasses
+import enum
+from collections.abc import Mapping
 from typing import TYPE_CHECKING
 from typing import ClassVar
 from typing import NamedTuple
@@ -61,6 +63,7 @@ from typing import NamedTuple
 import torch
 
 from kfac.enums import AssignmentStrategy
+from kfac.enums import parse_enum
 from kfac.math import compute_dtype
 
 if TYPE_CHECKING:  # the layer holds its curvature and the curvature its layer
@@ -89,17 +92,29 @@ class CurvatureConfig(abc.ABC):
     [`Curvature`][kfac.layers.curvature.base.Curvature].
 
     Subclasses are frozen dataclasses whose fields are the method's
-    options, validated in `__post_init__`.
+    options, validated in `__post_init__` (a subclass that adds checks of
+    its own calls this class's first, which parses the options named in
+    `enums`).
     """
 
     name: ClassVar[str]
     """The method's name (logged, and shown by `describe()`)."""
+
+    enums: ClassVar[Mapping[str, type[enum.Enum]]] = {}
+    """The options given as a member of an enum or its value, by name:
+    `__post_init__` stores the member (a `TypeError` or `ValueError`
+    naming the option for anything else)."""
 
     default_relative_clip: ClassVar[float | None] = 1.0
     """What `relative_clip='auto'` means for this method (model-wide)
     without a `kl_clip`: 1.0 (the preconditioned gradient at most as long
     as the raw one; every method of the library), or None for a method of
     your own whose step has a scale of its own."""
+
+    def __post_init__(self) -> None:
+        for option, kind in self.enums.items():
+            value = parse_enum(kind, getattr(self, option), option)
+            object.__setattr__(self, option, value)
 
     @abc.abstractmethod
     def make(self, layer: KFACBaseLayer) -> Curvature:

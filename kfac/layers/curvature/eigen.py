@@ -25,6 +25,8 @@ low-rank form avoids.
 from __future__ import annotations
 
 import dataclasses
+import enum
+from collections.abc import Mapping
 from typing import TYPE_CHECKING
 from typing import ClassVar
 
@@ -32,13 +34,11 @@ import torch
 
 from kfac.enums import BasisRefresh
 from kfac.enums import DampingMode
-from kfac.enums import parse_enum
 from kfac.layers.curvature.base import Curvature
 from kfac.layers.curvature.base import CurvatureConfig
 from kfac.layers.curvature.base import Decomposed
 from kfac.layers.curvature.base import Layout
 from kfac.layers.curvature.lowrank import LowRank
-from kfac.layers.curvature.lowrank import check_damping_mode
 from kfac.layers.curvature.lowrank import check_factor_rank
 from kfac.layers.curvature.lowrank import effective_damping
 from kfac.layers.embedding import diagonal_eigen_precondition
@@ -90,6 +90,10 @@ class EigenConfig(CurvatureConfig):
     """
 
     name: ClassVar[str] = 'eigen'
+    enums: ClassVar[Mapping[str, type[enum.Enum]]] = {
+        'basis_refresh': BasisRefresh,
+        'damping_mode': DampingMode,
+    }
 
     prediv_eigenvalues: bool = True
     basis_refresh: BasisRefresh | str = BasisRefresh.EIGH
@@ -97,11 +101,8 @@ class EigenConfig(CurvatureConfig):
     factor_rank: int | None = None
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         check_bool('prediv_eigenvalues', self.prediv_eigenvalues)
-        refresh = parse_enum(BasisRefresh, self.basis_refresh, 'basis_refresh')
-        object.__setattr__(self, 'basis_refresh', refresh)
-        mode = check_damping_mode(self.damping_mode)
-        object.__setattr__(self, 'damping_mode', mode)
         check_factor_rank(self.factor_rank)
 
     def make(self, layer: KFACBaseLayer) -> EigenCurvature:

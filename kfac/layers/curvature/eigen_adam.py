@@ -44,6 +44,8 @@ under `'qr'`.
 from __future__ import annotations
 
 import dataclasses
+import enum
+from collections.abc import Mapping
 from typing import TYPE_CHECKING
 from typing import ClassVar
 
@@ -52,12 +54,10 @@ import torch
 from kfac.enums import BasisRefresh
 from kfac.enums import FactorSource
 from kfac.enums import MomentRefresh
-from kfac.enums import parse_enum
 from kfac.layers.curvature.base import CurvatureConfig
 from kfac.layers.curvature.eigen import EigenConfig
 from kfac.layers.curvature.eigen import EigenCurvature
 from kfac.layers.curvature.source import check_source
-from kfac.layers.curvature.source import parse_source
 from kfac.math.eigenbasis import carry_second_moment
 from kfac.math.eigenbasis import normalized_step
 from kfac.math.eigenbasis import rotate
@@ -98,6 +98,11 @@ class EigenAdamConfig(CurvatureConfig):
     """
 
     name: ClassVar[str] = 'eigen_adam'
+    enums: ClassVar[Mapping[str, type[enum.Enum]]] = {
+        'on_refresh': MomentRefresh,
+        'source': FactorSource,
+        'basis_refresh': BasisRefresh,
+    }
 
     beta2: float = 0.95
     eps: float = 1e-8
@@ -107,6 +112,7 @@ class EigenAdamConfig(CurvatureConfig):
     basis_refresh: BasisRefresh | str = BasisRefresh.EIGH
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         validate_float('beta2', self.beta2, low=0.0, low_open=False)
         if self.beta2 >= 1.0:
             raise ValueError(
@@ -115,13 +121,6 @@ class EigenAdamConfig(CurvatureConfig):
             )
         validate_float('eps', self.eps, low=0.0)
         check_bool('bias_correction', self.bias_correction)
-        for name, kind in (
-            ('on_refresh', MomentRefresh),
-            ('basis_refresh', BasisRefresh),
-        ):
-            value = parse_enum(kind, getattr(self, name), name)
-            object.__setattr__(self, name, value)
-        object.__setattr__(self, 'source', parse_source(self.source))
 
     def make(self, layer: KFACBaseLayer) -> EigenAdamCurvature:
         """The EIGEN_ADAM curvature of `layer`.

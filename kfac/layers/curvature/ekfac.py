@@ -27,13 +27,14 @@ otherwise).
 from __future__ import annotations
 
 import dataclasses
+import enum
+from collections.abc import Mapping
 from typing import TYPE_CHECKING
 from typing import ClassVar
 
 import torch
 
 from kfac.enums import BasisRefresh
-from kfac.enums import parse_enum
 from kfac.layers.curvature.base import CurvatureConfig
 from kfac.layers.curvature.eigen import EigenConfig
 from kfac.layers.curvature.eigen import EigenCurvature
@@ -78,14 +79,16 @@ class EKFACConfig(CurvatureConfig):
     """
 
     name: ClassVar[str] = 'ekfac'
+    enums: ClassVar[Mapping[str, type[enum.Enum]]] = {
+        'basis_refresh': BasisRefresh
+    }
 
     prediv_eigenvalues: bool = True
     basis_refresh: BasisRefresh | str = BasisRefresh.EIGH
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         check_bool('prediv_eigenvalues', self.prediv_eigenvalues)
-        refresh = parse_enum(BasisRefresh, self.basis_refresh, 'basis_refresh')
-        object.__setattr__(self, 'basis_refresh', refresh)
 
     def make(self, layer: KFACBaseLayer) -> EKFACCurvature:
         """The EKFAC curvature of `layer`."""

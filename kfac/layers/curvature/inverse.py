@@ -14,7 +14,9 @@ closed form ([`kfac.math.lowrank`][kfac.math.lowrank]).
 from __future__ import annotations
 
 import dataclasses
+import enum
 import math
+from collections.abc import Mapping
 from typing import TYPE_CHECKING
 from typing import ClassVar
 
@@ -26,7 +28,6 @@ from kfac.layers.curvature.base import CurvatureConfig
 from kfac.layers.curvature.base import Decomposed
 from kfac.layers.curvature.base import Layout
 from kfac.layers.curvature.lowrank import LowRank
-from kfac.layers.curvature.lowrank import check_damping_mode
 from kfac.layers.curvature.lowrank import check_factor_rank
 from kfac.layers.curvature.lowrank import effective_damping
 from kfac.layers.embedding import damped_diagonal_inverse
@@ -61,13 +62,15 @@ class InverseConfig(CurvatureConfig):
     """
 
     name: ClassVar[str] = 'inverse'
+    enums: ClassVar[Mapping[str, type[enum.Enum]]] = {
+        'damping_mode': DampingMode
+    }
 
     damping_mode: DampingMode | str = DampingMode.ABSOLUTE
     factor_rank: int | None = None
 
     def __post_init__(self) -> None:
-        mode = check_damping_mode(self.damping_mode)
-        object.__setattr__(self, 'damping_mode', mode)
+        super().__post_init__()
         check_factor_rank(self.factor_rank)
 
     def make(self, layer: KFACBaseLayer) -> InverseCurvature:

@@ -14,8 +14,6 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from kfac.enums import DampingMode
-from kfac.enums import parse_enum
 from kfac.layers.curvature.base import Layout
 from kfac.math.lowrank import relative_damping
 from kfac.validation import validate_int
@@ -25,7 +23,6 @@ if TYPE_CHECKING:  # the layer holds its curvature and the curvature its layer
 
 __all__ = [
     'LowRank',
-    'check_damping_mode',
     'check_factor_rank',
     'effective_damping',
 ]
@@ -38,15 +35,6 @@ def check_factor_rank(rank: object) -> int | None:
         TypeError, ValueError: anything else.
     """
     return None if rank is None else validate_int('factor_rank', rank)
-
-
-def check_damping_mode(mode: object) -> DampingMode:
-    """`mode` as a [`DampingMode`][kfac.enums.DampingMode].
-
-    Raises:
-        TypeError, ValueError: anything else.
-    """
-    return parse_enum(DampingMode, mode, 'damping_mode')
 
 
 def effective_damping(

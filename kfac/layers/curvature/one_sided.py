@@ -25,6 +25,8 @@ K-FAC's factors the unused factor is still captured and allreduced.
 from __future__ import annotations
 
 import dataclasses
+import enum
+from collections.abc import Mapping
 from typing import TYPE_CHECKING
 from typing import ClassVar
 
@@ -33,13 +35,11 @@ import torch
 from kfac.enums import AssignmentStrategy
 from kfac.enums import FactorSource
 from kfac.enums import Side
-from kfac.enums import parse_enum
 from kfac.layers.curvature.base import Curvature
 from kfac.layers.curvature.base import CurvatureConfig
 from kfac.layers.curvature.base import Decomposed
 from kfac.layers.curvature.base import Layout
 from kfac.layers.curvature.source import check_source
-from kfac.layers.curvature.source import parse_source
 from kfac.math import symmetric_eigh
 from kfac.math.eigenbasis import one_sided_precondition
 
@@ -64,13 +64,13 @@ class OneSidedConfig(CurvatureConfig):
     """
 
     name: ClassVar[str] = 'one_sided'
+    enums: ClassVar[Mapping[str, type[enum.Enum]]] = {
+        'side': Side,
+        'source': FactorSource,
+    }
 
     side: Side | str = Side.INPUT
     source: FactorSource | str = FactorSource.KFAC
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, 'side', parse_enum(Side, self.side, 'side'))
-        object.__setattr__(self, 'source', parse_source(self.source))
 
     def make(self, layer: KFACBaseLayer) -> OneSidedCurvature:
         """The ONE_SIDED curvature of `layer`.

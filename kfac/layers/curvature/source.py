@@ -24,21 +24,11 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from kfac.enums import FactorSource
-from kfac.enums import parse_enum
 
 if TYPE_CHECKING:  # the layer holds its curvature and the curvature its layer
     from kfac.layers.base import KFACBaseLayer
 
-__all__ = ['check_source', 'parse_source']
-
-
-def parse_source(value: object) -> FactorSource:
-    """`value` as a [`FactorSource`][kfac.enums.FactorSource].
-
-    Raises:
-        TypeError, ValueError: anything else (naming `source`).
-    """
-    return parse_enum(FactorSource, value, 'source')
+__all__ = ['check_source']
 
 
 def check_source(
