@@ -54,6 +54,8 @@ COMM_CONFIGS = {
     'inverse': CommConfig('inverse'),
     'inverse packed': CommConfig('inverse', symmetry_aware=True),
     'ekfac': CommConfig('ekfac'),
+    'eigen_adam gradient': CommConfig('eigen_adam', source='gradient'),
+    'one_sided': CommConfig('one_sided'),
 }
 
 
