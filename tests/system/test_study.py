@@ -683,6 +683,74 @@ def _grid_file(task: str, name: str) -> pathlib.Path:
     return study.RESULTS / f'study_{task}{tail}.json'
 
 
+def _constant_rate_runs(
+    task: str, name: str
+) -> tuple[dict[str, list[dict[str, Any]]], float]:
+    """`name`'s committed constant-rate runs on `task` by label (none
+    where its grid has no file yet), and the sign that makes a larger
+    final metric better.
+    """
+    path = _grid_file(task, name)
+    document: dict[str, Any] = (
+        json.loads(path.read_text())
+        if path.exists()
+        else {'runs': [], 'higher_is_better': True}
+    )
+    grouped = analysis.groups(
+        r
+        for r in document['runs']
+        if r['optimizer'] == name
+        and r['kfac'] is None
+        and r.get('schedule') is None
+    )
+    return grouped, 1.0 if document['higher_is_better'] else -1.0
+
+
+def _median(rows: list[dict[str, Any]], sign: float) -> float:
+    """The median final metric of `rows`, times `sign`."""
+    return statistics.median(sign * analysis._final(r, sign > 0) for r in rows)
+
+
+def test_the_committed_schedule_keeps_its_rules() -> None:
+    """The scheduled GPT (`study_gpt_cosine.json`) keeps the study's grid
+    rules around the constant rate: each baseline ran at learning rates a
+    factor of 2 apart that include its best constant rate and both that
+    rate's neighbours in its grid (read from the committed grids, not
+    written here), 3 seeds at each rate, or the number `SCHEDULE_SEEDS_RUN`
+    declares for the rates it names; and its best scheduled rate (the
+    lowest median final) is at neither end of them.
+    """
+    path = study.RESULTS / 'study_gpt_cosine.json'
+    document: dict[str, Any] = json.loads(path.read_text())
+    assert {r['schedule'] for r in document['runs']} == {'cosine'}
+    scheduled = analysis.groups(
+        r for r in document['runs'] if r['kfac'] is None
+    )
+    for name, grid in study.GRIDS['gpt'].items():
+        grouped, sign = _constant_rate_runs('gpt', name)
+        best = max(
+            grid, key=lambda lr: _median(grouped[f'{name} lr={lr:g}'], sign)
+        )
+        at = grid.index(best)
+        rates = sorted(
+            r['lr']
+            for r in document['runs']
+            if r['optimizer'] == name and r['kfac'] is None and r['seed'] == 0
+        )
+        assert {grid[at - 1], best, grid[at + 1]} <= set(rates), name
+        assert all(
+            math.isclose(b / a, 2.0) for a, b in itertools.pairwise(rates)
+        ), (name, rates)
+        medians = []
+        for lr in rates:
+            rows = scheduled[f'{name} lr={lr:g} cosine']
+            declared = study.SCHEDULE_SEEDS_RUN.get((name, lr), 3)
+            assert len({r['seed'] for r in rows}) == declared, (name, lr)
+            medians.append(_median(rows, sign))
+        top = medians.index(max(medians))
+        assert 0 < top < len(rates) - 1, (name, rates[top])
+
+
 @pytest.mark.parametrize('task', sorted(study.GRIDS))
 def test_the_committed_grids_keep_the_studys_rules(task: str) -> None:
     """Each optimizer's grid: at least 4 learning rates a factor of 2
@@ -698,20 +766,7 @@ def test_the_committed_grids_keep_the_studys_rules(task: str) -> None:
         assert all(
             math.isclose(b / a, 2.0) for a, b in itertools.pairwise(grid)
         ), name
-        path = _grid_file(task, name)
-        document: dict[str, Any] = (
-            json.loads(path.read_text())
-            if path.exists()
-            else {'runs': [], 'higher_is_better': True}
-        )
-        higher: bool = document['higher_is_better']
-        grouped = analysis.groups(
-            r
-            for r in document['runs']
-            if r['optimizer'] == name
-            and r['kfac'] is None
-            and r.get('schedule') is None
-        )
+        grouped, sign = _constant_rate_runs(task, name)
         declared = study.SEEDS_RUN.get((task, name))
         if not grouped:
             assert declared is None, (task, name)
@@ -724,11 +779,6 @@ def test_the_committed_grids_keep_the_studys_rules(task: str) -> None:
                 assert seeds >= 3, (name, lr)
             else:
                 assert seeds == declared, (name, lr)
-            medians.append(
-                statistics.median(
-                    (1.0 if higher else -1.0) * analysis._final(r, higher)
-                    for r in rows
-                )
-            )
+            medians.append(_median(rows, sign))
         best = medians.index(max(medians))
         assert 0 < best < len(grid) - 1, (name, grid[best])
