@@ -90,11 +90,6 @@ SEEDS_RUN: dict[tuple[str, str], int] = {}
 they ran (docs/study.md says so beside their tables); a grid that is not
 named here and has runs holds 3 seeds at every point."""
 
-SCHEDULE_SEEDS_RUN: dict[tuple[str, float], int] = {}
-"""The learning rates of the scheduled GPT (`study_gpt_cosine.json`), by
-optimizer and rate, that ran fewer than 3 seeds, and how many
-(docs/study.md says so beside the table)."""
-
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     """The command line."""
