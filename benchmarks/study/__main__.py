@@ -65,7 +65,10 @@ GRIDS: dict[str, dict[str, list[float]]] = {
 # authors' 0.003, Kron about AdamW's best rate and half of it (its
 # authors: "adam-like settings ... maybe a slightly lower learning rate").
 GRIDS['cnn'].update(
-    soap=[0.0005, 0.001, 0.002, 0.004], kron=[0.00025, 0.0005, 0.001, 0.002]
+    # (planned 0.0005 to 0.004 and 0.00025 to 0.002; extended downwards,
+    # a rate at a time, while seed 0 or 1 put the best at the lower edge)
+    soap=[0.00025, 0.0005, 0.001, 0.002, 0.004],
+    kron=[0.0000625, 0.000125, 0.00025, 0.0005, 0.001, 0.002],
 )
 GRIDS['gpt'].update(
     soap=[0.0015, 0.003, 0.006, 0.012],

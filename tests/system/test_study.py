@@ -756,7 +756,7 @@ def test_the_committed_grids_keep_the_studys_rules(task: str) -> None:
     `GRID_FILES` names) every grid point has 3 seeds, or exactly the
     number `SEEDS_RUN` declares for a grid still short of them, and the
     best median final metric is not at an edge of the grid. A grid with no
-    committed run (SOAP's and Kron's on some tasks) is held to the first
+    committed run (a grid declared before its runs) is held to the first
     rule only, and may not be declared in `SEEDS_RUN`.
     """
     for name, grid in study.GRIDS[task].items():
